@@ -1,0 +1,329 @@
+"""SFT data for MARS: rows -> tokenized chat examples -> index-addressable grain batches.
+
+The tokenization follows the MARS reference's SFT data path (arXiv 2604.07023): a conversation
+is rendered with the checkpoint's chat template; the tokens of the final assistant turn (its
+content and closing ``<|im_end|>``) are the labels; the sequence ends there and is padded with
+labelled ``<|im_end|>`` up to a multiple of the block size, so the model learns to fill the
+rest of a block with EOS.
+"""
+
+import collections
+import functools
+import json
+from pathlib import Path
+
+import grain
+import numpy as np
+import pyarrow.parquet as pq
+from absl import logging
+
+from mars_jax.synthetic import arithmetic_problems
+from mars_jax.tokenizer import ENDOFTEXT_ID
+
+IGNORE_INDEX = -100  # label of a token that is not trained on
+SYNTHETIC = "synthetic"  # source name of the built-in arithmetic problems (see `load_rows`)
+
+Example = tuple[np.ndarray, np.ndarray]  # (input_ids int32[n], labels int32[n])
+
+
+class SkipRow(Exception):
+    """A row that cannot be trained on; `reason` (str) is the key it is counted under."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Reads the rows of a `.jsonl` (one JSON object per line; blank lines ignored) or `.parquet` file.
+
+    Raises:
+      ValueError: a JSONL line is not valid JSON or not an object (the message names the file
+        and the 1-based line number), or the extension is neither.
+    """
+    path = Path(path)
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if path.suffix != ".jsonl":
+        raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: invalid JSON: {e}") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def load_rows(source: str, *, num_rows: int | None = None, seed: int = 0) -> list[dict]:
+    """Rows of `source`: a `.jsonl`/`.parquet` path (its first `num_rows` rows, all if None), or
+    `"synthetic"` for `num_rows` problems of `synthetic.arithmetic_problems(num_rows, seed)`
+    (format `gsm8k`)."""
+    if source == SYNTHETIC:
+        if num_rows is None:
+            raise ValueError("the synthetic source needs num_rows")
+        return arithmetic_problems(num_rows, seed)
+    return read_rows(source)[:num_rows]
+
+
+def rows_to_messages(row: dict, fmt: str) -> list[dict]:
+    """Maps a row to a list of `{"role", "content"}` messages.
+
+    `fmt="messages"`: the row's `messages` list as is. `fmt="gsm8k"`: `{question, answer}` ->
+    a user turn with the question and an assistant turn with the answer.
+
+    Raises:
+      SkipRow("missing_field"): the row lacks the fields of its format.
+      ValueError: unknown `fmt`.
+    """
+    if fmt == "messages":
+        if not isinstance(row.get("messages"), list):
+            raise SkipRow("missing_field")
+        return row["messages"]
+    if fmt == "gsm8k":
+        if "question" not in row or "answer" not in row:
+            raise SkipRow("missing_field")
+        return [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+    raise ValueError(f"unknown row format {fmt!r}; expected 'messages' or 'gsm8k'")
+
+
+def _checked_messages(messages: list) -> tuple[list[dict], int]:
+    """Validates messages; returns them as plain `{role, content}` dicts and the index of the
+    final assistant turn. Raises SkipRow with the reason of the first problem found."""
+    clean = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise SkipRow("missing_field")
+        if m["content"] is None:
+            raise SkipRow("none_content")
+        if not isinstance(m["content"], str) or not isinstance(m["role"], str):
+            raise SkipRow("non_string_content")
+        clean.append({"role": m["role"], "content": m["content"]})
+    turns = [i for i, m in enumerate(clean) if m["role"] == "assistant"]
+    if not turns:
+        raise SkipRow("no_assistant_turn")
+    if not clean[turns[-1]]["content"].strip():
+        raise SkipRow("empty_answer")
+    return clean, turns[-1]
+
+
+def _chat_segments(tokenizer, messages: list, all_assistant_turns: bool) -> list[tuple[str, bool]]:
+    """Splits the rendered conversation into `(text, labelled)` pieces that end at the final
+    assistant turn's `<|im_end|>`. An assistant turn at message k is located by rendering
+    `messages[:k]` with the generation prompt, which must be a prefix of the full rendering; its
+    labelled piece runs from there through the next `<|im_end|>`."""
+    messages, last = _checked_messages(messages)
+    full = tokenizer.render_chat(messages[: last + 1])
+    eos = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
+    turns = [k for k, m in enumerate(messages[: last + 1]) if m["role"] == "assistant"]
+    segments, pos = [], 0
+    for k in turns if all_assistant_turns else [last]:
+        prompt = tokenizer.render_chat(messages[:k], add_generation_prompt=True)
+        start = len(prompt)
+        end = full.find(eos, start)
+        if start < pos or not full.startswith(prompt) or end < 0:
+            raise ValueError(
+                f"chat template renders assistant turn {k} in an unsupported way: "
+                "the generation prompt is not a prefix of the rendered conversation"
+            )
+        segments += [(full[pos:start], False), (full[start : end + len(eos)], True)]
+        pos = end + len(eos)
+    return segments
+
+
+def _assemble(
+    pieces: list[list[int]],
+    labelled: list[bool],
+    *,
+    max_length: int,
+    block_size: int,
+    bos_id: int,
+    eos_id: int,
+) -> Example:
+    """Concatenates tokenized pieces into (input_ids, labels): BOS in front when the first token
+    is labelled, truncation to max_length, labelled EOS padding to a multiple of block_size."""
+    ids = np.concatenate([np.asarray(p, np.int32) for p in pieces])
+    mask = np.concatenate([np.full(len(p), flag) for p, flag in zip(pieces, labelled)])
+    if mask[0]:
+        ids, mask = np.concatenate([[bos_id], ids]).astype(np.int32), np.concatenate([[False], mask])
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not mask.any():
+        raise SkipRow("prompt_too_long")
+    pad = np.full(-len(ids) % block_size, eos_id, np.int32)
+    return np.concatenate([ids, pad]), np.concatenate([np.where(mask, ids, IGNORE_INDEX), pad])
+
+
+def _check_lengths(max_length: int, block_size: int) -> None:
+    if block_size <= 0 or max_length <= 0 or max_length % block_size:
+        raise ValueError(
+            f"max_length ({max_length}) must be a positive multiple of block_size ({block_size})"
+        )
+
+
+def tokenize_chat(
+    tokenizer, messages: list[dict], *, max_length: int, block_size: int, all_assistant_turns: bool = False
+) -> Example:
+    """Tokenizes one conversation for MARS SFT, as the MARS reference's SFT data path does.
+
+    The prompt before the final assistant turn is tokenized exactly as
+    `tokenizer.encode(tokenizer.render_chat(messages[:k], add_generation_prompt=True))`, so training
+    sees the prompt tokens decoding sees. Labels equal `input_ids` (unshifted) on the final
+    assistant turn's content and its closing `<|im_end|>` (every assistant turn's with
+    `all_assistant_turns`) and are IGNORE_INDEX elsewhere. The sequence ends at the final labelled
+    `<|im_end|>`; rows longer than `max_length` are cut to it, keeping surviving labels; then
+    labelled `<|im_end|>` pads it to a multiple of `block_size`. A BOS is prepended only if the
+    first token would be labelled.
+
+    Returns:
+      (input_ids, labels), both int32[n] with n a multiple of block_size, n <= max_length.
+    Raises:
+      ValueError: max_length is not a positive multiple of block_size, or the chat template does
+        not render assistant turns after their generation prompt.
+      SkipRow: prompt_too_long, missing_field, none_content, non_string_content,
+        no_assistant_turn or empty_answer.
+    """
+    _check_lengths(max_length, block_size)
+    texts, labelled = zip(*_chat_segments(tokenizer, messages, all_assistant_turns))
+    return _assemble(
+        tokenizer.encode_batch(list(texts)),
+        list(labelled),
+        max_length=max_length,
+        block_size=block_size,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+    )
+
+
+def build_examples(
+    rows,
+    tokenizer,
+    fmt: str,
+    *,
+    max_length: int,
+    block_size: int,
+    all_assistant_turns: bool = False,
+    max_label_tokens: int | None = None,
+    source_name: str = "",
+) -> tuple[list[Example], collections.Counter]:
+    """Tokenizes rows (see `rows_to_messages` and `tokenize_chat`) with one batched encode.
+
+    Skipped rows are counted by reason and logged with `source_name`.
+
+    Returns:
+      (examples, skips): a list of (input_ids int32[n], labels int32[n]) and a Counter of skip
+      reasons.
+    Raises:
+      ValueError: as `tokenize_chat`; or a kept row has more than `max_label_tokens` labelled
+        tokens (EOS padding included; the loss computes logits at no more positions per row,
+        so such a row cannot be trained on faithfully). The message names source, row and count.
+    """
+    _check_lengths(max_length, block_size)
+    skips = collections.Counter()
+    kept = []  # (row index, segments)
+    for index, row in enumerate(rows):
+        try:
+            kept.append((index, _chat_segments(tokenizer, rows_to_messages(row, fmt), all_assistant_turns)))
+        except SkipRow as e:
+            skips[e.reason] += 1
+    encoded = iter(tokenizer.encode_batch([text for _, segs in kept for text, _ in segs]))
+    examples = []
+    for index, segments in kept:
+        pieces = [next(encoded) for _ in segments]
+        try:
+            example = _assemble(
+                pieces,
+                [flag for _, flag in segments],
+                max_length=max_length,
+                block_size=block_size,
+                bos_id=tokenizer.bos_id,
+                eos_id=tokenizer.eos_id,
+            )
+        except SkipRow as e:
+            skips[e.reason] += 1
+            continue
+        num_labels = int((example[1] != IGNORE_INDEX).sum())
+        if max_label_tokens is not None and num_labels > max_label_tokens:
+            raise ValueError(
+                f"{source_name}: row {index} has {num_labels} labelled tokens, more than "
+                f"max_label_tokens={max_label_tokens}"
+            )
+        examples.append(example)
+    logging.info(
+        "data %s: kept %d of %d rows; skipped: %s",
+        source_name,
+        len(examples),
+        len(examples) + sum(skips.values()),
+        dict(skips) or "none",
+    )
+    return examples, skips
+
+
+def _collate(batch: list[Example], *, batch_size: int, max_length: int, pad_id: int) -> dict:
+    """Stacks examples into int32[batch_size, max_length] arrays; missing rows and positions are
+    padded with `pad_id` / IGNORE_INDEX."""
+    input_ids = np.full((batch_size, max_length), pad_id, np.int32)
+    labels = np.full((batch_size, max_length), IGNORE_INDEX, np.int32)
+    for row, (ids, lab) in enumerate(batch):
+        input_ids[row, : len(ids)], labels[row, : len(lab)] = ids, lab
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def batched_dataset(
+    examples: list[Example],
+    *,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    drop_remainder: bool = True,
+    pad_id: int = ENDOFTEXT_ID,
+) -> grain.MapDataset:
+    """A grain MapDataset whose element i is the i-th training batch.
+
+    Each element is `{"input_ids": int32[batch_size, max_length], "labels": int32[batch_size,
+    max_length]}` padded with `pad_id` (`<|endoftext|>`) and IGNORE_INDEX. Examples are shuffled
+    per epoch (grain reseeds the shuffle for every repetition: a different permutation each
+    epoch, deterministic in `seed`), batched within an epoch (`drop_remainder` drops an epoch's
+    last partial batch; otherwise it is filled with padding rows), and repeated `num_epochs`
+    times (forever if None). Being index-addressable, training resumes at step s by reading
+    element s.
+
+    Raises:
+      ValueError: no examples, an example longer than max_length, or fewer examples than
+        batch_size with drop_remainder.
+    """
+    if not examples or (drop_remainder and len(examples) < batch_size):
+        raise ValueError(f"{len(examples)} examples cannot fill a batch of {batch_size}")
+    if (longest := max(len(ids) for ids, _ in examples)) > max_length:
+        raise ValueError(f"an example has {longest} tokens, more than max_length={max_length}")
+    ds = grain.MapDataset.source(examples)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    collate = functools.partial(_collate, batch_size=batch_size, max_length=max_length, pad_id=pad_id)
+    return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=collate).repeat(num_epochs)
+
+
+def eval_examples(
+    source: str, *, num_examples: int, fmt: str = "gsm8k", seed: int = 0
+) -> list[tuple[list[dict], str]]:
+    """Evaluation prompts: `(prompt_messages, reference_answer)` for the first `num_examples`
+    usable rows of `source` (see `load_rows`; e.g. the GSM8K test split, or `"synthetic"` with
+    `seed`). The prompt is every message before the final assistant turn; the reference is that
+    turn's content (for GSM8K the worked answer ending in `#### <number>`)."""
+    out = []
+    for row in load_rows(source, num_rows=num_examples if source == SYNTHETIC else None, seed=seed):
+        try:
+            messages, last = _checked_messages(rows_to_messages(row, fmt))
+        except SkipRow:
+            continue
+        out.append((messages[:last], messages[last]["content"]))
+        if len(out) == num_examples:
+            break
+    return out
