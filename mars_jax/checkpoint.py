@@ -26,159 +26,196 @@ from mars_jax.model import ModelConfig, Qwen2
 _SUPPORTED_ACT = "silu"
 
 
-def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32",
-                   param_dtype: str = "float32", source: str = "config.json") -> ModelConfig:
-  """Builds a ModelConfig from a transformers Qwen2 ``config.json`` dict.
+def config_from_hf(
+    hf: dict[str, Any],
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    source: str = "config.json",
+) -> ModelConfig:
+    """Builds a ModelConfig from a transformers Qwen2 ``config.json`` dict.
 
-  Embedding rows come from ``vocab_size`` (151,936 or 152,064 for Qwen2.5), never from a
-  tokenizer. Raises ValueError (naming ``source`` and the field) for a non-Qwen2 model type,
-  an enabled sliding window, rope scaling of any type but "default", or another activation.
-  """
-  def fail(field, why):
-    raise ValueError(f"{source}: unsupported {field}: {why}")
+    Embedding rows come from ``vocab_size`` (151,936 or 152,064 for Qwen2.5), never from a
+    tokenizer. Raises ValueError (naming ``source`` and the field) for a non-Qwen2 model type,
+    an enabled sliding window, rope scaling of any type but "default", or another activation.
+    """
 
-  if hf.get("model_type", "qwen2") != "qwen2":
-    fail("model_type", f"{hf.get('model_type')!r} (expected 'qwen2')")
-  if hf.get("use_sliding_window"):
-    fail("use_sliding_window", "sliding-window attention is not implemented")
-  if hf.get("hidden_act", _SUPPORTED_ACT) != _SUPPORTED_ACT:
-    fail("hidden_act", repr(hf.get("hidden_act")))
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
-    fail("rope scaling", f"{rope_type!r} (only plain RoPE is implemented)")
-  theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
-  heads = hf["num_attention_heads"]
-  return ModelConfig(
-      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rope_theta=float(theta),
-      rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-      tie_word_embeddings=hf.get("tie_word_embeddings", False),
-      dtype=dtype, param_dtype=param_dtype)
+    def fail(field, why):
+        raise ValueError(f"{source}: unsupported {field}: {why}")
+
+    if hf.get("model_type", "qwen2") != "qwen2":
+        fail("model_type", f"{hf.get('model_type')!r} (expected 'qwen2')")
+    if hf.get("use_sliding_window"):
+        fail("use_sliding_window", "sliding-window attention is not implemented")
+    if hf.get("hidden_act", _SUPPORTED_ACT) != _SUPPORTED_ACT:
+        fail("hidden_act", repr(hf.get("hidden_act")))
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        fail("rope scaling", f"{rope_type!r} (only plain RoPE is implemented)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(theta),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  """The transformers ``Qwen2Config`` dict (config.json) describing ``cfg``."""
-  return {
-      "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-      "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim, "hidden_act": _SUPPORTED_ACT, "rope_theta": cfg.rope_theta,
-      "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
-      "use_sliding_window": False, "max_position_embeddings": 32768,
-      "torch_dtype": cfg.param_dtype,
-      # Qwen2.5's <|endoftext|> and <|im_end|>, where the embedding has those rows.
-      **({"bos_token_id": 151643, "eos_token_id": 151645} if cfg.vocab_size > 151645 else {}),
-  }
+    """The transformers ``Qwen2Config`` dict (config.json) describing ``cfg``."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": _SUPPORTED_ACT,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "use_sliding_window": False,
+        "max_position_embeddings": 32768,
+        "torch_dtype": cfg.param_dtype,
+        # Qwen2.5's <|endoftext|> and <|im_end|>, where the embedding has those rows.
+        **({"bos_token_id": 151643, "eos_token_id": 151645} if cfg.vocab_size > 151645 else {}),
+    }
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:
-  """NNX state path -> (HF tensor name, whether the tensor is stored transposed)."""
-  keys = [str(getattr(k, "key", getattr(k, "idx", None))) for k in path
-          if not isinstance(k, jax.tree_util.GetAttrKey)]
-  name = ".".join(keys)
-  transposed = name.endswith(".kernel")
-  name = re.sub(r"\.(kernel|embedding)$", ".weight", name)
-  return (name if name.startswith("lm_head.") else "model." + name), transposed
+    """NNX state path -> (HF tensor name, whether the tensor is stored transposed)."""
+    keys = [
+        str(getattr(k, "key", getattr(k, "idx", None)))
+        for k in path
+        if not isinstance(k, jax.tree_util.GetAttrKey)
+    ]
+    name = ".".join(keys)
+    transposed = name.endswith(".kernel")
+    name = re.sub(r"\.(kernel|embedding)$", ".weight", name)
+    return (name if name.startswith("lm_head.") else "model." + name), transposed
 
 
 def _read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-  """All tensors of a safetensors checkpoint directory, and the file each came from."""
-  index = os.path.join(path, "model.safetensors.index.json")
-  if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-  elif os.path.exists(os.path.join(path, "model.safetensors")):
-    files = ["model.safetensors"]
-  else:
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-  tensors, origin = {}, {}
-  for name in files:
-    for key, value in load_file(os.path.join(path, name)).items():
-      tensors[key], origin[key] = value, name
-  return tensors, origin
+    """All tensors of a safetensors checkpoint directory, and the file each came from."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    tensors, origin = {}, {}
+    for name in files:
+        for key, value in load_file(os.path.join(path, name)).items():
+            tensors[key], origin[key] = value, name
+    return tensors, origin
 
 
 def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
-  """Reads a HF Qwen2 directory into an NNX parameter State of host (numpy) arrays.
+    """Reads a HF Qwen2 directory into an NNX parameter State of host (numpy) arrays.
 
-  The arrays are cast to ``cfg.param_dtype``; place them on devices with `jax.device_put`
-  (see `mars_jax.sharding`). Raises ValueError for an unused tensor (e.g. a dropped q/k/v
-  bias would leave one), a missing parameter (e.g. an untied model without ``lm_head``), or a
-  shape mismatch, naming the tensor and its file.
-  """
-  tensors, origin = _read_tensors(path)
-  abstract = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
-  used = set()
+    The arrays are cast to ``cfg.param_dtype``; place them on devices with `jax.device_put`
+    (see `mars_jax.sharding`). Raises ValueError for an unused tensor (e.g. a dropped q/k/v
+    bias would leave one), a missing parameter (e.g. an untied model without ``lm_head``), or a
+    shape mismatch, naming the tensor and its file.
+    """
+    tensors, origin = _read_tensors(path)
+    abstract = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    used = set()
 
-  def fill(p, leaf):
-    name, transposed = _hf_name(p)
-    if name not in tensors:
-      raise ValueError(f"{path}: missing tensor {name!r} required by the config")
-    value = tensors[name].T if transposed else tensors[name]
-    if value.shape != leaf.shape:
-      raise ValueError(f"{path}/{origin[name]}: tensor {name!r} has shape "
-                       f"{tensors[name].shape}, expected {leaf.shape[::-1] if transposed else leaf.shape}")
-    used.add(name)
-    return np.ascontiguousarray(value.astype(leaf.dtype))
+    def fill(p, leaf):
+        name, transposed = _hf_name(p)
+        if name not in tensors:
+            raise ValueError(f"{path}: missing tensor {name!r} required by the config")
+        value = tensors[name].T if transposed else tensors[name]
+        if value.shape != leaf.shape:
+            raise ValueError(
+                f"{path}/{origin[name]}: tensor {name!r} has shape "
+                f"{tensors[name].shape}, expected {leaf.shape[::-1] if transposed else leaf.shape}"
+            )
+        used.add(name)
+        return np.ascontiguousarray(value.astype(leaf.dtype))
 
-  state = jax.tree_util.tree_map_with_path(fill, state)
-  unused = sorted(set(tensors) - used)
-  if unused:
-    raise ValueError(f"{path}: tensors not used by the model (config mismatch?): "
-                     + ", ".join(f"{n} ({origin[n]})" for n in unused[:10]))
-  return state
+    state = jax.tree_util.tree_map_with_path(fill, state)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(
+            f"{path}: tensors not used by the model (config mismatch?): "
+            + ", ".join(f"{n} ({origin[n]})" for n in unused[:10])
+        )
+    return state
 
 
 def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32") -> Qwen2:
-  """Loads a HF Qwen2/Qwen2.5 checkpoint directory into a single-host `Qwen2` model."""
-  with open(os.path.join(path, "config.json")) as f:
-    cfg = config_from_hf(json.load(f), dtype=dtype, param_dtype=param_dtype,
-                         source=os.path.join(path, "config.json"))
-  model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
-  nnx.update(model, jax.tree.map(jnp.asarray, load_hf_state(path, cfg)))
-  return model
+    """Loads a HF Qwen2/Qwen2.5 checkpoint directory into a single-host `Qwen2` model."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = config_from_hf(
+            json.load(f),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            source=os.path.join(path, "config.json"),
+        )
+    model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+    nnx.update(model, jax.tree.map(jnp.asarray, load_hf_state(path, cfg)))
+    return model
 
 
-def export_hf(model: Qwen2, path: str, *, max_shard_bytes: int = 4 << 30,
-              dtype: str | None = None) -> None:
-  """Writes ``model`` as a directory that ``transformers.AutoModelForCausalLM`` loads.
+def export_hf(
+    model: Qwen2, path: str, *, max_shard_bytes: int = 4 << 30, dtype: str | None = None
+) -> None:
+    """Writes ``model`` as a directory that ``transformers.AutoModelForCausalLM`` loads.
 
-  Writes config.json and model.safetensors, or several shards plus
-  model.safetensors.index.json when the weights exceed ``max_shard_bytes``. A tied model
-  writes no lm_head. ``dtype`` (e.g. "bfloat16") casts the saved weights; default: param dtype.
-  """
-  os.makedirs(path, exist_ok=True)
-  cfg = model.cfg if dtype is None else dataclasses.replace(model.cfg, param_dtype=dtype)
-  tensors = {}
-  for p, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-    name, transposed = _hf_name(p)
-    value = np.asarray(jax.device_get(leaf).astype(jnp.dtype(cfg.param_dtype)))
-    tensors[name] = np.ascontiguousarray(value.T if transposed else value)
-  shards, current, size = [], {}, 0
-  for name in sorted(tensors):
-    nbytes = tensors[name].nbytes
-    if current and size + nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = {}, 0
-    current[name], size = tensors[name], size + nbytes
-  shards.append(current)
-  metadata = {"format": "pt"}
-  if len(shards) == 1:
-    save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=metadata)
-  else:
-    weight_map = {}
-    for i, shard in enumerate(shards):
-      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, os.path.join(path, fname), metadata=metadata)
-      weight_map.update({name: fname for name in shard})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-      json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": weight_map}, f, indent=2)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg), f, indent=2)
-
+    Writes config.json and model.safetensors, or several shards plus
+    model.safetensors.index.json when the weights exceed ``max_shard_bytes``. A tied model
+    writes no lm_head. ``dtype`` (e.g. "bfloat16") casts the saved weights; default: param dtype.
+    """
+    os.makedirs(path, exist_ok=True)
+    cfg = model.cfg if dtype is None else dataclasses.replace(model.cfg, param_dtype=dtype)
+    tensors = {}
+    for p, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        name, transposed = _hf_name(p)
+        value = np.asarray(jax.device_get(leaf).astype(jnp.dtype(cfg.param_dtype)))
+        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    shards, current, size = [], {}, 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = tensors[name], size + nbytes
+    shards.append(current)
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, fname), metadata=metadata)
+            weight_map.update({name: fname for name in shard})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(
+                {
+                    "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                    "weight_map": weight_map,
+                },
+                f,
+                indent=2,
+            )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(cfg), f, indent=2)

@@ -56,7 +56,9 @@ def read_rows(path: str | Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: invalid JSON: {e}") from e
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                raise ValueError(
+                    f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}"
+                )
             rows.append(row)
     return rows
 
@@ -89,7 +91,10 @@ def rows_to_messages(row: dict, fmt: str) -> list[dict]:
     if fmt == "gsm8k":
         if "question" not in row or "answer" not in row:
             raise SkipRow("missing_field")
-        return [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+        return [
+            {"role": "user", "content": row["question"]},
+            {"role": "assistant", "content": row["answer"]},
+        ]
     raise ValueError(f"unknown row format {fmt!r}; expected 'messages' or 'gsm8k'")
 
 
@@ -151,7 +156,10 @@ def _assemble(
     ids = np.concatenate([np.asarray(p, np.int32) for p in pieces])
     mask = np.concatenate([np.full(len(p), flag) for p, flag in zip(pieces, labelled)])
     if mask[0]:
-        ids, mask = np.concatenate([[bos_id], ids]).astype(np.int32), np.concatenate([[False], mask])
+        ids, mask = (
+            np.concatenate([[bos_id], ids]).astype(np.int32),
+            np.concatenate([[False], mask]),
+        )
     ids, mask = ids[:max_length], mask[:max_length]
     if not mask.any():
         raise SkipRow("prompt_too_long")
@@ -167,7 +175,12 @@ def _check_lengths(max_length: int, block_size: int) -> None:
 
 
 def tokenize_chat(
-    tokenizer, messages: list[dict], *, max_length: int, block_size: int, all_assistant_turns: bool = False
+    tokenizer,
+    messages: list[dict],
+    *,
+    max_length: int,
+    block_size: int,
+    all_assistant_turns: bool = False,
 ) -> Example:
     """Tokenizes one conversation for MARS SFT, as the MARS reference's SFT data path does.
 
@@ -228,7 +241,9 @@ def build_examples(
     kept = []  # (row index, segments)
     for index, row in enumerate(rows):
         try:
-            kept.append((index, _chat_segments(tokenizer, rows_to_messages(row, fmt), all_assistant_turns)))
+            kept.append(
+                (index, _chat_segments(tokenizer, rows_to_messages(row, fmt), all_assistant_turns))
+            )
         except SkipRow as e:
             skips[e.reason] += 1
     encoded = iter(tokenizer.encode_batch([text for _, segs in kept for text, _ in segs]))
@@ -306,7 +321,9 @@ def batched_dataset(
     ds = grain.MapDataset.source(examples)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    collate = functools.partial(_collate, batch_size=batch_size, max_length=max_length, pad_id=pad_id)
+    collate = functools.partial(
+        _collate, batch_size=batch_size, max_length=max_length, pad_id=pad_id
+    )
     return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=collate).repeat(num_epochs)
 
 

@@ -30,200 +30,220 @@ KVCache = list[dict[str, jax.Array]]  # per layer {"k": [B, S, K, H], "v": [B, S
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyperparameters of a Qwen2-architecture decoder (names follow transformers' Qwen2Config).
+    """Hyperparameters of a Qwen2-architecture decoder (names follow transformers' Qwen2Config).
 
-  ``vocab_size`` is the number of embedding rows (151,936 for Qwen2.5-0.5B, 152,064 for 7B),
-  which is larger than the tokenizer's 151,666 ids. ``dtype`` is the compute dtype and
-  ``param_dtype`` the storage dtype, both as numpy dtype names.
-  """
+    ``vocab_size`` is the number of embedding rows (151,936 for Qwen2.5-0.5B, 152,064 for 7B),
+    which is larger than the tokenizer's 151,666 ids. ``dtype`` is the compute dtype and
+    ``param_dtype`` the storage dtype, both as numpy dtype names.
+    """
 
-  vocab_size: int = 151936
-  hidden_size: int = 896
-  intermediate_size: int = 4864
-  num_layers: int = 24
-  num_heads: int = 14
-  num_kv_heads: int = 2
-  head_dim: int = 64
-  rope_theta: float = 1e6
-  rms_norm_eps: float = 1e-6
-  tie_word_embeddings: bool = True
-  dtype: str = "float32"
-  param_dtype: str = "float32"
+    vocab_size: int = 151936
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_layers: int = 24
+    num_heads: int = 14
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    dtype: str = "float32"
+    param_dtype: str = "float32"
 
-  def __post_init__(self):
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
 
 
 def _init(stddev: float, names: tuple[str | None, ...]):
-  """Normal(0, stddev) initializer carrying logical axis names for `mars_jax.sharding`."""
-  return nnx.with_metadata(nnx.initializers.normal(stddev), logical_axes=names)
+    """Normal(0, stddev) initializer carrying logical axis names for `mars_jax.sharding`."""
+    return nnx.with_metadata(nnx.initializers.normal(stddev), logical_axes=names)
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square layer norm, computed in fp32 (transformers' Qwen2RMSNorm)."""
+    """Root-mean-square layer norm, computed in fp32 (transformers' Qwen2RMSNorm)."""
 
-  def __init__(self, dim: int, eps: float, cfg: ModelConfig):
-    self.eps = eps
-    self.dtype = jnp.dtype(cfg.dtype)
-    self.weight = nnx.Param(jnp.ones((dim,), cfg.param_dtype), logical_axes=("norm",))
+    def __init__(self, dim: int, eps: float, cfg: ModelConfig):
+        self.eps = eps
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.weight = nnx.Param(jnp.ones((dim,), cfg.param_dtype), logical_axes=("norm",))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.weight[...].astype(jnp.float32)).astype(self.dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-  """cos/sin tables, fp32 [B, T, H], for integer ``positions`` [B, T] (rotate-half layout)."""
-  inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-  emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb), jnp.sin(emb)
+    """cos/sin tables, fp32 [B, T, H], for integer ``positions`` [B, T] (rotate-half layout)."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotates ``x`` [B, T, heads, H] by the tables [B, T, H]; fp32 inside, ``x.dtype`` out."""
-  x32 = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
+    """Rotates ``x`` [B, T, heads, H] by the tables [B, T, H]; fp32 inside, ``x.dtype`` out."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, names, bias: bool, rngs: nnx.Rngs):
-  return nnx.Linear(
-      d_in, d_out, use_bias=bias, dtype=jnp.dtype(cfg.dtype), param_dtype=cfg.param_dtype,
-      kernel_init=_init(0.02, names), bias_init=nnx.with_metadata(
-          nnx.initializers.zeros_init(), logical_axes=names[1:]), rngs=rngs)
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=cfg.param_dtype,
+        kernel_init=_init(0.02, names),
+        bias_init=nnx.with_metadata(nnx.initializers.zeros_init(), logical_axes=names[1:]),
+        rngs=rngs,
+    )
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with rotary embeddings and an optional functional KV cache."""
+    """Grouped-query self-attention with rotary embeddings and an optional functional KV cache."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.cfg = cfg
-    n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    self.q_proj = _linear(cfg, d, n * h, ("embed", "heads"), True, rngs)
-    self.k_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), True, rngs)
-    self.v_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), True, rngs)
-    self.o_proj = _linear(cfg, n * h, d, ("heads", "embed"), False, rngs)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = _linear(cfg, d, n * h, ("embed", "heads"), True, rngs)
+        self.k_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), True, rngs)
+        self.v_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), True, rngs)
+        self.o_proj = _linear(cfg, n * h, d, ("heads", "embed"), False, rngs)
 
-  def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-    """x [B, T, D]; mask bool broadcastable to [B, T, S]; cache {"k","v"} [B, S, K, H].
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
+        """x [B, T, D]; mask bool broadcastable to [B, T, S]; cache {"k","v"} [B, S, K, H].
 
-    With a cache, the new keys/values of row b are written at slots
-    ``cache_index[b] .. cache_index[b] + T - 1`` before attending, and the mask indexes slots.
-    Returns (output [B, T, D], updated cache or None).
-    """
-    b, t, _ = x.shape
-    cfg = self.cfg
-    q = apply_rope(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
-    k = apply_rope(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cache is not None:
-      write = jax.vmap(lambda c, new, i: jax.lax.dynamic_update_slice_in_dim(c, new, i, axis=0))
-      k = write(cache["k"], k.astype(cache["k"].dtype), cache_index)
-      v = write(cache["v"], v.astype(cache["v"].dtype), cache_index)
-      cache = {"k": k, "v": v}
-    mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None]
-    out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask)
-    return self.o_proj(out.reshape(b, t, -1)), cache
+        With a cache, the new keys/values of row b are written at slots
+        ``cache_index[b] .. cache_index[b] + T - 1`` before attending, and the mask indexes slots.
+        Returns (output [B, T, D], updated cache or None).
+        """
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q = apply_rope(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cache is not None:
+            write = jax.vmap(
+                lambda c, new, i: jax.lax.dynamic_update_slice_in_dim(c, new, i, axis=0)
+            )
+            k = write(cache["k"], k.astype(cache["k"].dtype), cache_index)
+            v = write(cache["v"], v.astype(cache["v"].dtype), cache_index)
+            cache = {"k": k, "v": v}
+        mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None]
+        out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask)
+        return self.o_proj(out.reshape(b, t, -1)), cache
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, m = cfg.hidden_size, cfg.intermediate_size
-    self.gate_proj = _linear(cfg, d, m, ("embed", "mlp"), False, rngs)
-    self.up_proj = _linear(cfg, d, m, ("embed", "mlp"), False, rngs)
-    self.down_proj = _linear(cfg, m, d, ("mlp", "embed"), False, rngs)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, m = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, d, m, ("embed", "mlp"), False, rngs)
+        self.up_proj = _linear(cfg, d, m, ("embed", "mlp"), False, rngs)
+        self.down_proj = _linear(cfg, m, d, ("mlp", "embed"), False, rngs)
 
-  def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
-    self.self_attn = Attention(cfg, rngs)
-    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
-    self.mlp = MLP(cfg, rngs)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
+        self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-    h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
-    x = x + h
-    return x + self.mlp(self.post_attention_layernorm(x)), cache
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
+        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class Qwen2(nnx.Module):
-  """Qwen2/Qwen2.5 causal LM (transformers' Qwen2ForCausalLM, without its generation utilities).
+    """Qwen2/Qwen2.5 causal LM (transformers' Qwen2ForCausalLM, without its generation utilities).
 
-  Call ``model(input_ids, positions, mask)`` for final hidden states and ``model.logits(h)`` for
-  fp32 logits, so callers can project only the positions they need onto the vocabulary.
-  """
-
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.cfg = cfg
-    self.embed_tokens = nnx.Embed(
-        cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype), param_dtype=cfg.param_dtype,
-        embedding_init=_init(0.02, ("vocab", "embed")), rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
-    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
-    self.lm_head = None if cfg.tie_word_embeddings else _linear(
-        cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, rngs)
-
-  def __call__(
-      self,
-      input_ids: jax.Array,
-      positions: jax.Array,
-      mask: jax.Array,
-      cache: KVCache | None = None,
-      cache_index: jax.Array | None = None,
-  ) -> tuple[jax.Array, KVCache | None]:
-    """Runs the decoder.
-
-    Args:
-      input_ids: int32 [B, T] token ids (< vocab_size).
-      positions: int32 [B, T] rotary position ids (any values; the MARS layout repeats 0..L-1).
-      mask: bool, broadcastable to [B, T, S]; True where query t may attend to key s. Without a
-        cache S = T (keys are the inputs); with one, S is the number of cache slots.
-      cache: optional KV cache from `init_cache`; new keys/values are written before attending.
-      cache_index: int32 [B], first slot written for each row (required with a cache).
-
-    Returns:
-      (hidden states [B, T, D] after the final norm, in ``dtype``; updated cache or None).
+    Call ``model(input_ids, positions, mask)`` for final hidden states and ``model.logits(h)`` for
+    fp32 logits, so callers can project only the positions they need onto the vocabulary.
     """
-    cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-    x = self.embed_tokens(input_ids)
-    new_cache = [] if cache is not None else None
-    for i, layer in enumerate(self.layers):
-      x, layer_cache = layer(x, cos, sin, mask, None if cache is None else cache[i], cache_index)
-      if cache is not None:
-        new_cache.append(layer_cache)
-    return self.norm(x), new_cache
 
-  def logits(self, h: jax.Array) -> jax.Array:
-    """Projects hidden states [..., D] onto the vocabulary: fp32 logits [..., V]."""
-    if self.lm_head is None:
-      w = self.embed_tokens.embedding[...].astype(h.dtype)
-      return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-    w = self.lm_head.kernel[...].astype(h.dtype)
-    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=cfg.param_dtype,
+            embedding_init=_init(0.02, ("vocab", "embed")),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _linear(cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, rngs)
+        )
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Runs the decoder.
+
+        Args:
+          input_ids: int32 [B, T] token ids (< vocab_size).
+          positions: int32 [B, T] rotary position ids (any values; the MARS layout repeats 0..L-1).
+          mask: bool, broadcastable to [B, T, S]; True where query t may attend to key s. Without a
+            cache S = T (keys are the inputs); with one, S is the number of cache slots.
+          cache: optional KV cache from `init_cache`; new keys/values are written before attending.
+          cache_index: int32 [B], first slot written for each row (required with a cache).
+
+        Returns:
+          (hidden states [B, T, D] after the final norm, in ``dtype``; updated cache or None).
+        """
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(input_ids)
+        new_cache = [] if cache is not None else None
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(
+                x, cos, sin, mask, None if cache is None else cache[i], cache_index
+            )
+            if cache is not None:
+                new_cache.append(layer_cache)
+        return self.norm(x), new_cache
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Projects hidden states [..., D] onto the vocabulary: fp32 logits [..., V]."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...].astype(h.dtype)
+            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...].astype(h.dtype)
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> KVCache:
-  """Zeroed KV cache: per layer {"k", "v"} of shape [batch, slots, K, H] in the compute dtype."""
-  shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
-  dtype = jnp.dtype(dtype or cfg.dtype)
-  return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-          for _ in range(cfg.num_layers)]
+    """Zeroed KV cache: per layer {"k", "v"} of shape [batch, slots, K, H] in the compute dtype."""
+    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return [
+        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)
+    ]
 
 
 def causal_mask(t: int) -> jax.Array:
-  """bool [1, T, T]: query t attends to keys s <= t."""
-  i = jnp.arange(t)
-  return (i[None, :] <= i[:, None])[None]
+    """bool [1, T, T]: query t attends to keys s <= t."""
+    i = jnp.arange(t)
+    return (i[None, :] <= i[:, None])[None]

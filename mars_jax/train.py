@@ -1,0 +1,275 @@
+r"""Training entry point: stage 1 (AR SFT) and stage 2 (MARS), arXiv 2604.07023 Sec. 4.
+
+  python -m mars_jax.train --config=configs/tiny.py --workdir=runs/ar
+  python -m mars_jax.train --config=configs/tiny.py:mars --workdir=runs/mars \
+      --config.init_from=runs/ar
+
+A restart with the same workdir resumes from its latest checkpoint (parameters, optimizer state
+and data position). ``init_from`` starts a fresh run from a Hugging Face directory or from the
+latest checkpoint of another run's workdir (stage 2 from stage 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags, logging
+from flax import nnx
+from ml_collections import config_flags
+
+import orbax.checkpoint as ocp
+
+from mars_jax import checkpoint, data, sharding, workdir as wd
+from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.objectives import loss_fn
+from mars_jax.tokenizer import load_tokenizer
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, logs).", required=True)
+
+
+def model_config(cfg) -> ModelConfig:
+    """The model to train: from ``init_from`` (HF dir or workdir) if set, else ``cfg.model``."""
+    dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
+    if cfg.init_from and wd.is_workdir(cfg.init_from):
+        return wd.read_model_config(cfg.init_from, **dtypes)
+    if cfg.init_from:
+        path = os.path.join(cfg.init_from, "config.json")
+        with open(path) as f:
+            return checkpoint.config_from_hf(json.load(f), source=path, **dtypes)
+    return ModelConfig(**cfg.model)
+
+
+def objective_config(cfg, mask_id: int):
+    """Static (hashable) objective settings closed over by the jitted step."""
+    return types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
+
+
+def optimizer(cfg, num_steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warmup (``warmup_ratio`` of the steps) and linear decay to 0,
+    after clipping the global gradient norm to ``grad_clip``."""
+    t = cfg.train
+    warmup = max(1, int(round(t.warmup_ratio * num_steps)))
+    schedule = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, t.learning_rate, warmup),
+            optax.linear_schedule(t.learning_rate, 0.0, max(1, num_steps - warmup)),
+        ],
+        [warmup],
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=t.weight_decay),
+    ), schedule
+
+
+def make_train_step(graphdef, tx, obj, grad_accum_steps: int):
+    """A pure step (params, opt_state, batch) -> (params, opt_state, metrics).
+
+    The batch ({input_ids, labels} int32 [batch, L]) is split into ``grad_accum_steps``
+    micro-batches whose gradients are averaged (lax.scan) before one optimizer update.
+    """
+
+    def grads_of(params, micro):
+        def loss(p):
+            return loss_fn(nnx.merge(graphdef, p), micro, obj)
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    def step(params, opt_state, batch):
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
+
+        def body(acc, mb):
+            g, m = grads_of(params, mb)
+            return jax.tree.map(jnp.add, acc, (g, m)), None
+
+        zeros = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+        (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+        grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
+        metrics["label_tokens"] = metrics["label_tokens"] * grad_accum_steps
+        metrics["grad_norm"] = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return step
+
+
+def initial_params(cfg, model_cfg: ModelConfig, graphdef, abstract):
+    """Parameters of a fresh run: random, from a HF directory, or from another run's workdir."""
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    if not cfg.init_from:
+        init = jax.jit(
+            lambda: nnx.state(Qwen2(model_cfg, rngs=nnx.Rngs(cfg.seed))), out_shardings=shardings
+        )
+        return init()
+    if wd.is_workdir(cfg.init_from):
+        with wd.checkpoint_manager(cfg.init_from) as manager:
+            params, step = wd.restore_params(manager, abstract)
+        logging.info("initialized from %s step %d", cfg.init_from, step)
+        return params
+    logging.info("initialized from Hugging Face checkpoint %s", cfg.init_from)
+    return jax.device_put(checkpoint.load_hf_state(cfg.init_from, model_cfg), shardings)
+
+
+def load_train_examples(cfg, tok):
+    """Tokenized training examples of ``cfg.data`` (see `mars_jax.data`)."""
+    d = cfg.data
+    if d.source == data.SYNTHETIC:
+        rows, fmt, name = (
+            data.load_rows(data.SYNTHETIC, num_rows=d.num_synthetic_train, seed=cfg.seed),
+            "gsm8k",
+            "synthetic",
+        )
+    else:
+        rows, fmt, name = data.read_rows(d.train_path), d.source, d.train_path
+    examples, _ = data.build_examples(
+        rows,
+        tok,
+        fmt,
+        max_length=d.max_length,
+        block_size=cfg.objective.block_size,
+        all_assistant_turns=d.all_assistant_turns,
+        max_label_tokens=cfg.objective.max_label_tokens,
+        source_name=name,
+    )
+    return examples
+
+
+def train(cfg, workdir: str) -> dict:
+    """Runs (or resumes) training in ``workdir``; returns the last logged metrics."""
+    tok = load_tokenizer(cfg.tokenizer_path or None)
+    model_cfg = model_config(cfg)
+    examples = load_train_examples(cfg, tok)
+    t = cfg.train
+    num_steps = t.num_steps or max(1, int(t.num_epochs * len(examples) // t.batch_size))
+    if t.batch_size % t.grad_accum_steps:
+        raise ValueError(
+            f"train.batch_size {t.batch_size} is not divisible by "
+            f"train.grad_accum_steps {t.grad_accum_steps}"
+        )
+    dataset = data.batched_dataset(
+        examples, batch_size=t.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
+    )
+
+    mesh = sharding.make_mesh(**cfg.mesh)
+    graphdef, abstract = wd.abstract_params(model_cfg, mesh)
+    tx, schedule = optimizer(cfg, num_steps)
+    wd.write_run_files(workdir, cfg.to_json_best_effort(indent=2), model_cfg, tok)
+    manager = wd.checkpoint_manager(workdir, max_to_keep=t.max_to_keep)
+
+    param_shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    abstract_opt = jax.eval_shape(tx.init, abstract)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_shardings = optax.tree_map_params(
+        tx, lambda p: p.sharding, abstract_opt, transform_non_params=lambda _: replicated
+    )
+    start = manager.latest_step()
+    if start is None:
+        params = initial_params(cfg, model_cfg, graphdef, abstract)
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+        start = 0
+    else:
+        params, _ = wd.restore_params(manager, abstract, start)
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract_opt,
+            opt_shardings,
+        )
+        opt_state = manager.restore(
+            start, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(target))
+        ).opt_state
+        logging.info("resumed from %s step %d", workdir, start)
+
+    step_fn = jax.jit(
+        make_train_step(graphdef, tx, objective_config(cfg, tok.mask_id), t.grad_accum_steps),
+        in_shardings=(param_shardings, opt_shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(param_shardings, opt_shardings, None),
+        donate_argnums=(0, 1),
+    )
+    logging.info(
+        "training %s for %d steps (%d examples, batch %d)",
+        cfg.objective.name,
+        num_steps,
+        len(examples),
+        t.batch_size,
+    )
+    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    last, t0, tokens, window_start = {}, time.time(), 0, time.time()
+    for step in range(start, num_steps):
+        batch = dataset[step]
+        tokens += int(_sequence_lengths(batch["labels"]).sum())
+        batch = jax.device_put(batch, sharding.batch_sharding(mesh))
+        params, opt_state, metrics = step_fn(params, opt_state, batch)
+        done = step + 1
+        if done % t.log_every == 0 or done == num_steps:
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.time()
+            rate = (done - start) / (now - t0)
+            last = {
+                "step": done,
+                **metrics,
+                "learning_rate": float(schedule(step)),
+                "tokens_per_s": tokens / (now - window_start),
+                "progress": done / num_steps,
+                "eta_s": (num_steps - done) / rate,
+            }
+            tokens, window_start = 0, now
+            logging.info(
+                "step %d/%d (%.0f%%) loss %.4f noisy %s clean %.4f lr %.2e tokens/s %.0f ETA %s",
+                done,
+                num_steps,
+                100 * last["progress"],
+                last["loss"],
+                f"{last['noisy_loss']:.4f}" if "noisy_loss" in last else "-",
+                last["clean_loss"],
+                last["learning_rate"],
+                last["tokens_per_s"],
+                _hms(last["eta_s"]),
+            )
+            if not math.isfinite(last["loss"]):
+                raise FloatingPointError(f"loss is {last['loss']} at step {done}")
+            metrics_file.write(json.dumps(last) + "\n")
+            metrics_file.flush()
+        if done % t.save_every == 0 or done == num_steps:
+            manager.save(
+                done,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params.to_pure_dict()),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                ),
+                force=True,
+            )
+    manager.wait_until_finished()
+    manager.close()
+    metrics_file.close()
+    return last
+
+
+def _sequence_lengths(labels: np.ndarray) -> np.ndarray:
+    """Tokens per row up to its last labelled token (rows end there; batch padding excluded)."""
+    labelled = labels != data.IGNORE_INDEX
+    return np.where(labelled.any(1), labels.shape[1] - np.argmax(labelled[:, ::-1], axis=1), 0)
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def main(argv):
+    del argv
+    train(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
