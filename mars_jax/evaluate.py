@@ -182,6 +182,7 @@ def format_table(report: dict) -> str:
 
 def main(argv):
     del argv
+    wd.quiet_orbax_logs()
     logging.info("evaluating %s", _WORKDIR.value)
     evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value)
 

@@ -37,6 +37,7 @@ def run_block_size(workdir: str) -> int:
 
 def main(argv):
     del argv
+    wd.quiet_orbax_logs()
     model, tok, _ = wd.load_model(_WORKDIR.value, step=_STEP.value)
     system = [{"role": "system", "content": _SYSTEM.value}] if _SYSTEM.value else []
     prompts = [

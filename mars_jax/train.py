@@ -49,9 +49,27 @@ def model_config(cfg) -> ModelConfig:
     return ModelConfig(**cfg.model)
 
 
-def objective_config(cfg, mask_id: int):
-    """Static (hashable) objective settings closed over by the jitted step."""
-    return types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
+def tokenizer_source(cfg) -> str | None:
+    """``tokenizer_path`` if set; else the tokenizer of ``init_from`` (a run's tokenizer/ or the
+    HF directory); else None, the offline Qwen2.5 default."""
+    if cfg.tokenizer_path:
+        return cfg.tokenizer_path
+    if cfg.init_from and wd.is_workdir(cfg.init_from):
+        return os.path.join(cfg.init_from, "tokenizer")
+    return cfg.init_from or None
+
+
+def objective_config(cfg, mask_id: int, examples) -> types.SimpleNamespace:
+    """Static objective settings closed over by the jitted step.
+
+    ``max_label_tokens`` 0 means: the most labelled tokens of any training example, rounded up
+    to a multiple of 8 (logits are computed at that many positions per row).
+    """
+    obj = types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
+    if not obj.max_label_tokens:
+        longest = max(int((labels != data.IGNORE_INDEX).sum()) for _, labels in examples)
+        obj.max_label_tokens = -(-longest // 8) * 8
+    return obj
 
 
 def optimizer(cfg, num_steps: int) -> optax.GradientTransformation:
@@ -139,7 +157,7 @@ def load_train_examples(cfg, tok):
         max_length=d.max_length,
         block_size=cfg.objective.block_size,
         all_assistant_turns=d.all_assistant_turns,
-        max_label_tokens=cfg.objective.max_label_tokens,
+        max_label_tokens=cfg.objective.max_label_tokens or None,
         source_name=name,
     )
     return examples
@@ -147,7 +165,7 @@ def load_train_examples(cfg, tok):
 
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training in ``workdir``; returns the last logged metrics."""
-    tok = load_tokenizer(cfg.tokenizer_path or None)
+    tok = load_tokenizer(tokenizer_source(cfg))
     model_cfg = model_config(cfg)
     examples = load_train_examples(cfg, tok)
     t = cfg.train
@@ -161,6 +179,7 @@ def train(cfg, workdir: str) -> dict:
         examples, batch_size=t.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
     )
 
+    obj = objective_config(cfg, tok.mask_id, examples)
     mesh = sharding.make_mesh(**cfg.mesh)
     graphdef, abstract = wd.abstract_params(model_cfg, mesh)
     tx, schedule = optimizer(cfg, num_steps)
@@ -191,17 +210,18 @@ def train(cfg, workdir: str) -> dict:
         logging.info("resumed from %s step %d", workdir, start)
 
     step_fn = jax.jit(
-        make_train_step(graphdef, tx, objective_config(cfg, tok.mask_id), t.grad_accum_steps),
+        make_train_step(graphdef, tx, obj, t.grad_accum_steps),
         in_shardings=(param_shardings, opt_shardings, sharding.batch_sharding(mesh)),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),
     )
     logging.info(
-        "training %s for %d steps (%d examples, batch %d)",
+        "training %s for %d steps (%d examples, batch %d, loss at <= %d positions per row)",
         cfg.objective.name,
         num_steps,
         len(examples),
         t.batch_size,
+        obj.max_label_tokens,
     )
     metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
     last, t0, tokens, window_start = {}, time.time(), 0, time.time()
@@ -268,6 +288,7 @@ def _hms(seconds: float) -> str:
 
 def main(argv):
     del argv
+    wd.quiet_orbax_logs()
     train(_CONFIG.value, _WORKDIR.value)
 
 

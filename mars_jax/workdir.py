@@ -14,16 +14,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from flax import nnx
 from jax.sharding import Mesh
 
 from mars_jax import sharding
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
+
+
+def quiet_orbax_logs() -> None:
+    """Drops Orbax's INFO records (several per save) from absl's log handler; warnings stay."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+    absl_logging.get_absl_handler().addFilter(keep)
 
 
 def is_workdir(path: str) -> bool:

@@ -1,0 +1,27 @@
+"""Qwen2.5-0.5B-Instruct with the paper's recipe (arXiv 2604.07023, Sec. 4).
+
+Set ``init_from`` to a Hugging Face Qwen2.5-0.5B-Instruct directory for stage 1 and to the
+stage-1 workdir for stage 2, and ``data.train_path`` to a chat set in the ``messages`` format.
+"""
+
+from configs import tiny
+
+
+def get_config(stage: str = "ar"):
+    """lr 5e-6, effective batch 384, max length 512, warmup 3%, 5 epochs, block size 8."""
+    c = tiny.get_config(stage)
+    c.init_from = ""  # required: HF directory (stage 1) or stage-1 workdir (stage 2)
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.data.source = "messages"
+    c.data.max_length = 512
+    c.data.eval_path = "../shared/data/gsm8k/test.jsonl"
+    c.objective.block_size = 8
+    c.objective.max_label_tokens = 512
+    c.train.update(batch_size=384, grad_accum_steps=1, num_epochs=5.0, num_steps=0,
+                   learning_rate=5e-6, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
+                   log_every=10, save_every=500, max_to_keep=3)
+    c.mesh.update(data=-1, fsdp=1, tensor=1)
+    c.eval.update(num_examples=1319, batch_size=64, block_size=8, max_new_tokens=512,
+                  nll_examples=256)
+    return c

@@ -1,0 +1,12 @@
+"""Qwen2.5-7B-Instruct with the paper's recipe (arXiv 2604.07023, Sec. 4); parameters and
+optimizer state sharded over the ``fsdp`` mesh axis."""
+
+from configs import qwen0_5b
+
+
+def get_config(stage: str = "ar"):
+    """As `configs/qwen0_5b.py`, with an fsdp mesh and gradient accumulation."""
+    c = qwen0_5b.get_config(stage)
+    c.train.grad_accum_steps = 4
+    c.mesh.update(data=1, fsdp=-1, tensor=1)
+    return c
