@@ -45,7 +45,7 @@ def extract_answer(text: str) -> str | None:
     return number[:-2] if number.endswith(".0") else number
 
 
-def _eval_source(cfg) -> tuple[str, str, int]:
+def eval_source(cfg) -> tuple[str, str, int]:
     """(source, format, seed) of the evaluation prompts; synthetic ones use a held-out seed."""
     if cfg.data.source == data.SYNTHETIC:
         return data.SYNTHETIC, "gsm8k", cfg.seed + 1
@@ -84,7 +84,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     """Runs the evaluation described in the module docstring; returns the results dict."""
     model, tok, step = wd.load_model(workdir, step=step)
     e = cfg.eval
-    source, fmt, seed = _eval_source(cfg)
+    source, fmt, seed = eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
     references = [extract_answer(answer) for _, answer in examples]
