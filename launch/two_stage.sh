@@ -7,6 +7,6 @@ set -euo pipefail
 config=${1:?config file}; run=${2:?run directory}; shift 2
 python -m mars_jax.train --config="$config:ar" --workdir="$run/ar" "$@"
 python -m mars_jax.train --config="$config:mars" --workdir="$run/mars" \
-  --config.init_from="$run/ar" "$@"
+  "$@" --config.init_from="$run/ar"
 python -m mars_jax.evaluate --config="$config:ar" --workdir="$run/ar" "$@"
 python -m mars_jax.evaluate --config="$config:mars" --workdir="$run/mars" "$@"
