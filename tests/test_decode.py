@@ -1,0 +1,388 @@
+"""Tests of mars_jax.decode: the cached per-row-cursor threshold decoder against uncached
+references written here (plain greedy AR, and the MARS acceptance rule recomputed with a full
+causal forward per step), on tiny random fp32 models with the real Qwen2.5 special-token ids.
+
+Random models are unconfident; multiplying the final RMSNorm weight by ``scale`` multiplies every
+logit, which makes the output distribution as peaked as needed (scale 300: a mix of confident and
+unconfident candidates; scale 1000: many probabilities that are exactly 1.0 in fp32).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mars_jax import decode
+from mars_jax.model import ModelConfig, Qwen2, causal_mask
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID
+
+VOCAB = 151680  # covers 151643..151665 (<|endoftext|> .. <|mask|>)
+EOS = (IM_END_ID, ENDOFTEXT_ID)
+MAX_NEW = 16
+CFG = ModelConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,  # a tied head would mostly predict the input token back
+)
+
+
+def make_model(scale: float, seed: int = 0) -> Qwen2:
+    model = Qwen2(CFG, rngs=nnx.Rngs(seed))
+    model.norm.weight[...] = model.norm.weight[...] * scale
+    return model
+
+
+@pytest.fixture(scope="module")
+def flat():
+    return make_model(1.0)
+
+
+@pytest.fixture(scope="module")
+def mid():
+    return make_model(300.0)
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    return make_model(1000.0)
+
+
+def make_batch(lengths, width=None, pad=ENDOFTEXT_ID, seed=0):
+    """Prompts of the given lengths (random ordinary ids, some with special ids inside, among
+    them <|endoftext|> and <|im_end|>), right-padded to ``width`` with ``pad``."""
+    rng = np.random.default_rng(seed)
+    width = width or max(lengths)
+    ids = np.full((len(lengths), width), pad, np.int32)
+    prompts = []
+    for r, n in enumerate(lengths):
+        p = rng.integers(0, ENDOFTEXT_ID, size=n).astype(np.int32)
+        if n >= 3 and r % 2 == 0:
+            p[1] = ENDOFTEXT_ID
+            p[n // 2] = IM_START_ID
+        if n >= 4 and r % 3 == 1:
+            p[2] = IM_END_ID
+            p[0] = ENDOFTEXT_ID
+        ids[r, :n] = p
+        prompts.append(p.tolist())
+    return ids, np.asarray(lengths, np.int32), prompts
+
+
+# ----------------------------------------------------------------------------------------------
+# Uncached references.
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _logits_at(graphdef, state, ids, start, size):
+    """Full causal forward over ids [1, T] (no cache); fp32 logits of positions
+    start .. start + size - 1. Ids after the last position read cannot affect it (causal)."""
+    model = nnx.merge(graphdef, state)
+    t = ids.shape[1]
+    hidden, _ = model(ids, jnp.arange(t)[None], causal_mask(t))
+    return model.logits(jax.lax.dynamic_slice_in_dim(hidden[0], start, size, axis=0))
+
+
+class Uncached:
+    """Full-recompute forward of ``model`` on a fixed-width buffer (one compilation)."""
+
+    def __init__(self, model, width):
+        self.graphdef, self.state = nnx.split(model)
+        self.width = width
+
+    def logits(self, seq, start, size):
+        buf = np.zeros((1, self.width), np.int32)
+        buf[0, : len(seq)] = seq
+        return np.asarray(_logits_at(self.graphdef, self.state, jnp.asarray(buf), start, size))
+
+
+def reference_ar(fwd: Uncached, prompt, max_new, eos=EOS):
+    """Greedy AR: argmax of the last position of a full forward, until EOS or the budget.
+    Returns (completion without EOS, tokens generated incl. EOS, max probabilities seen)."""
+    seq, out, probs = list(prompt), [], []
+    while len(out) < max_new:
+        logits = fwd.logits(seq, len(seq) - 1, 1)[0]
+        token = int(np.argmax(logits))
+        probs.append(float(np.max(jax.nn.softmax(jnp.asarray(logits)))))
+        seq.append(token)
+        out.append(token)
+        if token in eos:
+            break
+    cut = next((i for i, t in enumerate(out) if t in eos), len(out))
+    return out[:cut], len(out), probs
+
+
+def reference_mars(fwd: Uncached, prompt, *, block_size, threshold, max_new, eos=EOS,
+                   mask_id=MASK_ID):
+    """The MARS acceptance rule, uncached: each step forwards committed tokens + B-1 masks
+    (positions n .. n+B-2) and reads the outputs at n-1 .. n+B-2 as candidates for n .. n+B-1;
+    the first is accepted, then left to right while confidence >= threshold (exactly one when
+    threshold >= 1); accepting stops after an EOS and at the budget.
+
+    Returns (completion cut before the first EOS, accepted incl. EOS, forwards, per-step lists).
+    """
+    threshold = np.float32(threshold)
+    seq, out, steps = list(prompt), [], []
+    while True:
+        n = len(seq)
+        logits = fwd.logits(seq + [mask_id] * (block_size - 1), n - 1, block_size)
+        probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+        tokens = np.argmax(logits, axis=-1)
+        conf = probs[np.arange(block_size), tokens]
+        step, finished = [], False
+        for i in range(block_size):
+            if i > 0 and (threshold >= 1.0 or not conf[i] >= threshold):
+                break
+            step.append(int(tokens[i]))
+            if tokens[i] in eos or len(out) + len(step) == max_new:
+                finished = True
+                break
+        seq += step
+        out += step
+        steps.append(step)
+        if finished:
+            break
+    cut = next((i for i, t in enumerate(out) if t in eos), len(out))
+    return out[:cut], len(out), len(steps), steps
+
+
+def assert_matches_references(out, refs):
+    for r, (completion, accepted, forwards) in enumerate(refs):
+        n = len(completion)
+        assert out.lengths[r] == n, f"row {r}"
+        np.testing.assert_array_equal(out.tokens[r, :n], completion, err_msg=f"row {r}")
+        assert np.all(out.tokens[r, n:] == ENDOFTEXT_ID), f"row {r}: padding after the cut"
+        assert out.accepted[r] == accepted, f"row {r}"
+        assert out.row_forwards[r] == forwards, f"row {r}"
+    assert out.forwards == max(f for _, _, f in refs)
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) one-token mode is greedy AR.
+
+
+@pytest.mark.parametrize("which", ["flat", "mid", "peaked"])
+def test_threshold_one_is_greedy_ar(which, request):
+    model = request.getfixturevalue(which)
+    ids, lengths, prompts = make_batch([3, 9, 6, 1], seed=1)
+    out = decode.generate(
+        model, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW
+    )
+    fwd = Uncached(model, ids.shape[1] + MAX_NEW + 4)
+    max_probs = []
+    for r, p in enumerate(prompts):
+        completion, generated, probs = reference_ar(fwd, p, MAX_NEW)
+        max_probs += probs
+        n = len(completion)
+        assert out.lengths[r] == n
+        np.testing.assert_array_equal(out.tokens[r, :n], completion)
+        assert out.accepted[r] == generated
+    # One token per forward, whatever the confidence.
+    np.testing.assert_array_equal(out.row_forwards, out.accepted)
+    assert out.tokens_per_forward == 1.0
+    # Non-trivial completions: not a constant token stream.
+    assert len(set(out.tokens[:, :8].ravel().tolist())) > 8
+    if which == "peaked":
+        # fp32 probabilities of exactly 1.0 occurred, and the same model accepts several tokens
+        # per forward below threshold 1: threshold 1.0 itself must not accept them.
+        assert max(max_probs) == 1.0
+        multi = decode.generate(
+            model, ids, lengths, block_size=4, threshold=0.999, max_new_tokens=MAX_NEW
+        )
+        assert multi.tokens_per_forward > 1.5
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) threshold decoding equals the uncached acceptance rule.
+
+
+@pytest.mark.parametrize(
+    "block_size,threshold,which",
+    [(2, 0.9, "mid"), (4, 0.9, "mid"), (4, 0.9, "peaked"), (4, 0.5, "mid")],
+)
+def test_threshold_decoding_matches_uncached_reference(block_size, threshold, which, request):
+    model = request.getfixturevalue(which)
+    ids, lengths, prompts = make_batch([5, 2, 11, 7, 4], seed=2)
+    out = decode.generate(
+        model, ids, lengths, block_size=block_size, threshold=threshold, max_new_tokens=MAX_NEW
+    )
+    fwd = Uncached(model, ids.shape[1] + MAX_NEW + block_size)
+    refs, multi = [], 0
+    for p in prompts:
+        completion, accepted, forwards, steps = reference_mars(
+            fwd, p, block_size=block_size, threshold=threshold, max_new=MAX_NEW
+        )
+        refs.append((completion, accepted, forwards))
+        multi += sum(len(s) > 1 for s in steps)
+    assert_matches_references(out, refs)
+    # The runs really accepted several tokens per forward (and not always the whole block).
+    assert multi > 0
+    assert out.tokens_per_forward > 1.0
+    assert out.row_forwards.sum() > out.accepted.sum() / block_size
+
+
+def test_mask_id_is_used(mid):
+    """Another mask id changes the mask inputs: the decoder must feed the one it is given."""
+    ids, lengths, prompts = make_batch([5, 8], seed=3)
+    other = IM_START_ID
+    out = decode.generate(
+        mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW, mask_id=other
+    )
+    fwd = Uncached(mid, ids.shape[1] + MAX_NEW + 4)
+    refs = [
+        reference_mars(fwd, p, block_size=4, threshold=0.9, max_new=MAX_NEW, mask_id=other)[:3]
+        for p in prompts
+    ]
+    assert_matches_references(out, refs)
+    default = decode.generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    assert not np.array_equal(default.tokens, out.tokens) or not np.array_equal(
+        default.accepted, out.accepted
+    ) or not np.array_equal(default.row_forwards, out.row_forwards)
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) batch invariance.
+
+
+def test_prompt_alone_equals_prompt_in_batch(mid):
+    ids, lengths, prompts = make_batch([4, 10, 7], seed=4)
+    target = 0  # the shortest row: the most padding in the batch
+    alone = decode.generate(
+        mid, ids[target:target + 1, : lengths[target]], lengths[target:target + 1],
+        block_size=4, threshold=0.9, max_new_tokens=MAX_NEW,
+    )
+    assert alone.tokens_per_forward > 1.0
+    # The same prompt inside batches of different widths and padding ids.
+    for width, pad, order in [(10, ENDOFTEXT_ID, [1, 0, 2]), (17, 12345, [2, 1, 0])]:
+        batch = np.full((3, width), pad, np.int32)
+        for row, r in enumerate(order):
+            batch[row, : lengths[r]] = prompts[r]
+        out = decode.generate(
+            mid, batch, lengths[order], block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
+        )
+        row = order.index(target)
+        np.testing.assert_array_equal(out.tokens[row], alone.tokens[0])
+        assert out.lengths[row] == alone.lengths[0]
+        assert out.accepted[row] == alone.accepted[0]
+        assert out.row_forwards[row] == alone.row_forwards[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# EOS, budget, sampling, argument checks.
+
+
+def _swap_head_columns(model, a, b):
+    """A copy of ``model`` whose LM head predicts ``b`` wherever it predicted ``a`` (and back)."""
+    graphdef, state = nnx.split(model)
+    swapped = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    w = swapped.lm_head.kernel[...]
+    swapped.lm_head.kernel[...] = w.at[:, [a, b]].set(w[:, [b, a]])
+    return swapped
+
+
+def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
+    ids, lengths, prompts = make_batch([5, 2, 11, 7], seed=2)
+    fwd = Uncached(mid, ids.shape[1] + MAX_NEW + 4)
+    # Find an accepted token that was followed by more accepted tokens in the same forward,
+    # and that neither occurred before it in the completion nor in a candidate role for EOS.
+    pick = None
+    for r, p in enumerate(prompts):
+        completion, _, _, steps = reference_mars(fwd, p, block_size=4, threshold=0.9, max_new=MAX_NEW)
+        assert IM_END_ID not in completion
+        pos = 0
+        for s in steps:
+            for j, tok in enumerate(s[:-1]):
+                if tok not in completion[: pos + j] and pick is None:
+                    pick = (r, tok, pos + j, completion)
+            pos += len(s)
+    assert pick is not None, "no multi-token step found"
+    row, token, cut, original = pick
+
+    # The model now emits <|im_end|> exactly where it emitted `token`.
+    model = _swap_head_columns(mid, token, IM_END_ID)
+    out = decode.generate(model, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    assert out.lengths[row] == cut
+    np.testing.assert_array_equal(out.tokens[row, :cut], original[:cut])
+    assert np.all(out.tokens[row, cut:] == ENDOFTEXT_ID)
+    assert out.accepted[row] == cut + 1  # the EOS is counted, nothing after it
+    assert IM_END_ID not in out.tokens.ravel().tolist()
+    fwd2 = Uncached(model, ids.shape[1] + MAX_NEW + 4)
+    refs = [
+        reference_mars(fwd2, p, block_size=4, threshold=0.9, max_new=MAX_NEW)[:3] for p in prompts
+    ]
+    assert_matches_references(out, refs)
+
+    # Without <|im_end|> among the EOS ids the row runs on past it.
+    out = decode.generate(
+        model, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW,
+        eos_ids=(ENDOFTEXT_ID,),
+    )
+    assert out.tokens[row, cut] == IM_END_ID
+    assert out.lengths[row] > cut
+
+
+@pytest.mark.parametrize("budget", [1, 5, 7])
+def test_max_new_tokens_is_respected(peaked, budget):
+    ids, lengths, prompts = make_batch([3, 9, 6], seed=5)
+    full = decode.generate(peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    assert full.tokens_per_forward > 1.5 and np.all(full.lengths == MAX_NEW)
+    out = decode.generate(peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=budget)
+    assert out.tokens.shape == (3, budget)
+    np.testing.assert_array_equal(out.lengths, budget)
+    np.testing.assert_array_equal(out.accepted, budget)
+    np.testing.assert_array_equal(out.tokens, full.tokens[:, :budget])
+    fwd = Uncached(peaked, ids.shape[1] + budget + 4)
+    refs = [
+        reference_mars(fwd, p, block_size=4, threshold=0.9, max_new=budget)[:3] for p in prompts
+    ]
+    assert_matches_references(out, refs)
+
+
+def test_sampling_is_seeded(flat, mid):
+    ids, lengths, _ = make_batch([3, 9, 6], seed=6)
+    kw = dict(block_size=4, threshold=0.9, max_new_tokens=MAX_NEW, temperature=1.0)
+    a = decode.generate(flat, ids, lengths, seed=0, **kw)
+    b = decode.generate(flat, ids, lengths, seed=0, **kw)
+    c = decode.generate(flat, ids, lengths, seed=1, **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.accepted, b.accepted)
+    assert np.mean(a.tokens != c.tokens) > 0.5  # a near-uniform model: almost every token differs
+    greedy = decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    assert np.mean(a.tokens != greedy.tokens) > 0.5
+    # Confidence is the sampled token's probability, tiny on a flat model: one token per forward.
+    assert a.tokens_per_forward == 1.0
+    # A uniform model (all logits 0): every draw is fresh, across steps, rows and positions.
+    uniform = decode.generate(make_model(0.0), ids, lengths, seed=0, **kw)
+    for row in uniform.tokens:
+        assert len(set(row.tolist())) >= MAX_NEW - 2
+    assert uniform.tokens_per_forward == 1.0
+    # Near-zero temperature samples the argmax: one-token mode then equals greedy decoding.
+    cold = decode.generate(
+        mid, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW, temperature=1e-4
+    )
+    hot = decode.generate(mid, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW)
+    np.testing.assert_array_equal(cold.tokens, hot.tokens)
+
+
+def test_invalid_arguments(flat):
+    ids, lengths, _ = make_batch([3, 5])
+    kw = dict(block_size=4, threshold=0.9, max_new_tokens=4)
+    for bad_ids, bad_lengths in [
+        (ids, np.array([0, 5])),  # empty prompt
+        (ids, np.array([3, 6])),  # longer than the array
+        (ids, np.array([3])),  # one length for two rows
+        (ids[0], np.array([3])),  # not [R, P]
+    ]:
+        with pytest.raises(ValueError):
+            decode.generate(flat, bad_ids, bad_lengths, **kw)
+    with pytest.raises(ValueError):
+        decode.generate(flat, ids, lengths, block_size=0, threshold=0.9, max_new_tokens=4)
+    with pytest.raises(ValueError):
+        decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=0)

@@ -1,0 +1,405 @@
+"""End-to-end tests of the run entry points on the embedded tiny config, shrunk further:
+train (stage 1, resume, stage 2 from stage 1, init from a Hugging Face directory), and the
+train / evaluate / generate / export command lines."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from mars_jax import data, decode, objectives, train, workdir as wd
+from mars_jax.model import causal_mask
+from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+LR = 3e-3
+# Tiny overrides, applied in-process and as --config.<key>=<value> on the command lines.
+OVERRIDES = {
+    "train.num_steps": 4,
+    "train.batch_size": 4,
+    "train.log_every": 1,
+    "train.save_every": 2,
+    "train.learning_rate": LR,
+    "data.num_synthetic_train": 32,
+    "model.num_layers": 1,
+    "model.hidden_size": 32,
+    "model.intermediate_size": 64,
+    "model.head_dim": 8,
+    "eval.num_examples": 4,
+    "eval.batch_size": 4,
+    "eval.max_new_tokens": 8,
+    "eval.thresholds": (1.0, 0.9),
+    "eval.nll_examples": 4,
+}
+
+
+def get_config(stage="ar", **extra):
+    """configs/tiny.py's config for ``stage`` with OVERRIDES and ``extra`` ("a__b" = "a.b")."""
+    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config(stage)
+    for key, value in {**OVERRIDES, **{k.replace("__", "."): v for k, v in extra.items()}}.items():
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        assert leaf in node, key
+        node[leaf] = value
+    return cfg
+
+
+def cli_flags():
+    def fmt(v):
+        return "(" + ",".join(map(str, v)) + ")" if isinstance(v, tuple) else str(v)
+
+    return [f"--config.{k}={fmt(v)}" for k, v in OVERRIDES.items()]
+
+
+def run_cli(module, *args, check=True):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def flat_params(model):
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param).to_pure_dict())
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+
+
+def assert_same_params(a, b, atol=1e-6):
+    pa, pb = flat_params(a), flat_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_allclose(pa[k], pb[k], rtol=0, atol=atol, err_msg=k)
+
+
+def our_logits(model, ids):
+    ids = jnp.asarray(ids, jnp.int32)
+    t = ids.shape[1]
+    hidden, _ = model(ids, jnp.broadcast_to(jnp.arange(t), ids.shape), causal_mask(t))
+    return np.asarray(model.logits(hidden))
+
+
+def torch_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def stage1(tmp_path_factory):
+    """A 4-step stage-1 (AR) run straight through: (workdir, config, returned metrics)."""
+    workdir = str(tmp_path_factory.mktemp("runs") / "ar")
+    cfg = get_config("ar")
+    last = train.train(cfg, workdir)
+    return workdir, cfg, last
+
+
+# ----------------------------------------------------------------------------------------------
+# Training runs.
+
+
+def test_stage1_run_directory(stage1):
+    workdir, cfg, last = stage1
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
+    metrics = read_metrics(workdir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[-1] == last
+    for m in metrics:
+        for key in ("loss", "learning_rate", "tokens_per_s", "eta_s", "clean_loss", "grad_norm"):
+            assert math.isfinite(m[key]), key
+        assert m["tokens_per_s"] > 0 and m["eta_s"] >= 0
+        assert "noisy_loss" not in m  # AR objective
+    assert metrics[-1]["eta_s"] == 0
+    # Warmup of max(1, round(0.03 * 4)) = 1 step from 0, then linear decay to 0 at step 4.
+    np.testing.assert_allclose(
+        [m["learning_rate"] for m in metrics], [0.0, LR, LR * 2 / 3, LR / 3], rtol=1e-5
+    )
+    # Random init starts near ln(vocab); training lowers the loss.
+    assert abs(metrics[0]["loss"] - math.log(cfg.model.vocab_size)) < 0.5
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.05
+
+    with open(os.path.join(workdir, "model.json")) as f:
+        assert json.load(f) == cfg.model.to_dict()
+    with open(os.path.join(workdir, "config.json")) as f:
+        saved = json.load(f)
+    assert saved["train"]["num_steps"] == 4 and saved["objective"]["name"] == "ar"
+    assert list(saved["eval"]["thresholds"]) == [1.0, 0.9]
+    tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
+    assert tok.mask_id == MASK_ID and len(tok) == 151666
+
+    model, _, step = wd.load_model(workdir)
+    assert step == 4
+    first, _, _ = wd.load_model(workdir, step=2)
+    p4, p2 = flat_params(model), flat_params(first)
+    assert any(not np.array_equal(p4[k], p2[k]) for k in p4)  # steps 3-4 changed the params
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
+    """Kill the run right after its step-2 checkpoint is written, restart it in the same
+    workdir: the final parameters and logged losses equal those of the straight 4-step run."""
+    straight, cfg, _ = stage1
+    workdir = str(tmp_path / "resumed")
+    real_manager = wd.checkpoint_manager
+
+    def interrupting_manager(path, **kw):
+        manager = real_manager(path, **kw)
+        save = manager.save
+
+        def save_then_die(step, *args, **kwargs):
+            out = save(step, *args, **kwargs)
+            if step == 2:
+                manager.wait_until_finished()
+                manager.close()
+                raise _Interrupted
+            return out
+
+        manager.save = save_then_die
+        return manager
+
+    monkeypatch.setattr(wd, "checkpoint_manager", interrupting_manager)
+    with pytest.raises(_Interrupted):
+        train.train(get_config("ar"), workdir)
+    monkeypatch.undo()
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+    assert [m["step"] for m in read_metrics(workdir)] == [1, 2]
+
+    train.train(get_config("ar"), workdir)
+    resumed, expected = read_metrics(workdir), read_metrics(straight)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for r, e in zip(resumed, expected):
+        for key in ("loss", "grad_norm", "learning_rate", "label_tokens"):
+            assert r[key] == pytest.approx(e[key], rel=1e-6, abs=1e-7), (r["step"], key)
+    a, _, step_a = wd.load_model(workdir)
+    b, _, step_b = wd.load_model(straight)
+    assert step_a == step_b == 4
+    assert_same_params(a, b)
+
+
+def test_stage2_starts_from_stage1(stage1, tmp_path):
+    stage1_dir, _, _ = stage1
+    workdir = str(tmp_path / "mars")
+    # learning rate 0: one step must leave the stage-1 parameters untouched. The model section
+    # is ignored with init_from (the workdir's model.json wins), so give it a different depth.
+    cfg = get_config(
+        "mars", init_from=stage1_dir, train__num_steps=1, train__learning_rate=0.0,
+        model__num_layers=3,
+    )
+    last = train.train(cfg, workdir)
+    with open(os.path.join(workdir, "model.json")) as f, open(
+        os.path.join(stage1_dir, "model.json")
+    ) as g:
+        assert json.load(f) == json.load(g)
+    s1, tok, _ = wd.load_model(stage1_dir)
+    s2, _, _ = wd.load_model(workdir)
+    assert_same_params(s1, s2, atol=0)
+    assert load_tokenizer(os.path.join(workdir, "tokenizer")).mask_id == MASK_ID
+
+    (m,) = read_metrics(workdir)
+    assert m == last
+    for key in ("step", "loss", "noisy_loss", "clean_loss", "learning_rate", "tokens_per_s", "eta_s"):
+        assert key in m and math.isfinite(m[key]), key
+    assert m["loss"] == pytest.approx(m["noisy_loss"] + cfg.objective.ar_weight * m["clean_loss"])
+    # The clean half of MARS is the AR loss: at step 1 it is the stage-1 model's AR loss on the
+    # first batch, which a fresh random model would not give.
+    examples = train.load_train_examples(cfg, tok)
+    batch = data.batched_dataset(
+        examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
+    )[0]
+    obj = types.SimpleNamespace(
+        max_label_tokens=train.objective_config(cfg, tok.mask_id, examples).max_label_tokens,
+        normalization=cfg.objective.normalization,
+    )
+    ar, _ = objectives.ar_loss(s1, jax.tree.map(jnp.asarray, batch), obj)
+    assert m["clean_loss"] == pytest.approx(float(ar), rel=1e-5)
+
+
+def make_hf_checkpoint(path):
+    """A random transformers Qwen2 (real special-token rows) with non-trivial biases and norms,
+    saved with save_pretrained, plus the offline tokenizer files (as a release ships them)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=151680, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    model.eval()
+    model.save_pretrained(str(path))
+    load_tokenizer(None).save(str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    """(transformers model, workdir of a 1-step run at learning rate 0 initialised from it)."""
+    root = tmp_path_factory.mktemp("hf")
+    hf = make_hf_checkpoint(root / "hf")
+    workdir = str(root / "from_hf")
+    cfg = get_config("ar", init_from=str(root / "hf"), train__num_steps=1, train__learning_rate=0.0)
+    last = train.train(cfg, workdir)
+    assert math.isfinite(last["loss"])
+    return hf, workdir
+
+
+def test_init_from_hf_directory(hf_run):
+    hf, workdir = hf_run
+    with open(os.path.join(workdir, "model.json")) as f:
+        model_json = json.load(f)
+    assert (model_json["vocab_size"], model_json["hidden_size"], model_json["rope_theta"]) == (
+        151680, 32, 5000.0
+    )
+    model, tok, _ = wd.load_model(workdir)
+    assert tok.mask_id == MASK_ID
+    ids = np.random.default_rng(0).integers(0, 151680, size=(2, 12))
+    np.testing.assert_allclose(our_logits(model, ids), torch_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(
+        flat_params(model)["['embed_tokens']['embedding']"],
+        hf.model.embed_tokens.weight.detach().numpy(),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines.
+
+
+def test_cli_rejects_unknown_config_key(tmp_path):
+    workdir = tmp_path / "never"
+    proc = run_cli(
+        "mars_jax.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+        "--config.train.nope=1", check=False,
+    )
+    assert proc.returncode != 0
+    assert "nope" in proc.stderr
+    assert not workdir.exists()
+
+
+def test_evaluate_cli(stage1):
+    workdir, cfg, _ = stage1
+    run_cli("mars_jax.evaluate", "--config=configs/tiny.py", f"--workdir={workdir}", *cli_flags())
+    with open(os.path.join(workdir, "eval.json")) as f:
+        report = json.load(f)
+    assert report["step"] == 4 and report["num_examples"] == 4 and report["block_size"] == 4
+    assert [r["threshold"] for r in report["results"]] == [1.0, 0.9]
+    for r in report["results"]:
+        for key in ("accuracy", "tokens_per_forward", "tokens_per_s", "mean_length",
+                    "agreement_with_ar"):
+            assert math.isfinite(r[key]), key
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["agreement_with_ar"] <= 1
+        assert r["tokens_per_forward"] >= 1 and r["tokens_per_s"] > 0
+        assert 0 <= r["mean_length"] <= 8
+    one = report["results"][0]
+    assert one["agreement_with_ar"] == 1.0 and one["tokens_per_forward"] == 1.0
+
+    # Recompute threshold 1.0 and the NLL independently from the checkpoint.
+    model, tok, _ = wd.load_model(workdir)
+    examples = data.eval_examples("synthetic", num_examples=4, fmt="gsm8k", seed=cfg.seed + 1)
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
+    ids = np.full((4, max(map(len, prompts))), tok.pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    out = decode.generate(
+        model, ids, np.asarray([len(p) for p in prompts]), block_size=4, threshold=1.0,
+        max_new_tokens=8,
+    )
+    assert one["mean_length"] == pytest.approx(np.mean(out.lengths))
+
+    # Teacher-forced NLL of answer + <|im_end|> after the prompt, sequences cut at max_length.
+    max_length = cfg.data.max_length
+    seqs = [(p + tok.encode(answer) + [IM_END_ID])[:max_length] for (_, answer), p in
+            zip(examples, prompts)]
+    batch = np.zeros((4, max_length), np.int32)
+    for i, s in enumerate(seqs):
+        batch[i, : len(s)] = s
+    hidden, _ = model(jnp.asarray(batch), jnp.arange(max_length)[None], causal_mask(max_length))
+    nll = []
+    for i, (s, p) in enumerate(zip(seqs, prompts)):
+        logp = jax.nn.log_softmax(model.logits(hidden[i, len(p) - 1 : len(s) - 1]), axis=-1)
+        nll += (-np.asarray(logp)[np.arange(len(s) - len(p)), s[len(p):]]).tolist()
+    assert len(nll) > 4 * 8
+    assert report["ar_nll"] == pytest.approx(np.mean(nll), rel=1e-4)
+
+
+def test_generate_cli_json(stage1):
+    workdir, _, _ = stage1
+    questions = ["What is 12 * 7?", "Tom has 3 apples and buys 4 more. How many now?"]
+    proc = run_cli(
+        "mars_jax.generate", f"--workdir={workdir}", *[f"--prompt={q}" for q in questions],
+        "--threshold=0.9", "--max_new_tokens=8", "--json",
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 2
+    objs = [json.loads(line) for line in lines]
+    model, tok, _ = wd.load_model(workdir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], True) for q in questions]
+    ids = np.full((2, max(map(len, prompts))), tok.pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    expected = decode.generate(
+        model, ids, np.asarray([len(p) for p in prompts]), block_size=4, threshold=0.9,
+        max_new_tokens=8,
+    )
+    for i, (obj, q) in enumerate(zip(objs, questions)):
+        assert obj["prompt"] == q
+        assert obj["text"] == tok.decode(obj["tokens"])
+        assert obj["tokens"] == expected.tokens[i, : expected.lengths[i]].tolist()
+        assert obj["tokens_per_forward"] == pytest.approx(
+            expected.accepted[i] / expected.row_forwards[i]
+        )
+        assert len(obj["tokens"]) <= 8
+
+
+def test_export_cli_loads_in_transformers(hf_run, tmp_path):
+    # The run initialised from a perturbed HF model: O(1) logits, non-zero biases.
+    original, workdir = hf_run
+    out = tmp_path / "hf_export"
+    run_cli("mars_jax.export", f"--workdir={workdir}", f"--output={out}")
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    model, tok, _ = wd.load_model(workdir)
+    ids = np.random.default_rng(1).integers(0, 151666, size=(2, 10))
+    ours = our_logits(model, ids)
+    assert ours.std() > 0.3
+    np.testing.assert_allclose(torch_logits(hf, ids), ours, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(torch_logits(hf, ids), torch_logits(original, ids), atol=1e-4)
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+    assert hf_tok.convert_tokens_to_ids("<|mask|>") == MASK_ID
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    encoded = hf_tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    assert list(encoded["input_ids"]) == tok.apply_chat_template(messages, True)
+    text = "Tom has 12 apples. <|mask|> He gives 5 away."
+    assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
