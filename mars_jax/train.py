@@ -223,7 +223,7 @@ def train(cfg, workdir: str) -> dict:
         t.batch_size,
         obj.max_label_tokens,
     )
-    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    metrics_file = _open_metrics(os.path.join(workdir, "metrics.jsonl"), start)
     last, t0, tokens, window_start = {}, time.time(), 0, time.time()
     for step in range(start, num_steps):
         batch = dataset[step]
@@ -279,6 +279,17 @@ def _sequence_lengths(labels: np.ndarray) -> np.ndarray:
     """Tokens per row up to its last labelled token (rows end there; batch padding excluded)."""
     labelled = labels != data.IGNORE_INDEX
     return np.where(labelled.any(1), labels.shape[1] - np.argmax(labelled[:, ::-1], axis=1), 0)
+
+
+def _open_metrics(path: str, start: int):
+    """Opens the metrics log for appending, first dropping records of steps after ``start``
+    (logged by an interrupted run after its last checkpoint, and about to be redone)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return open(path, "a")
 
 
 def _hms(seconds: float) -> str:
