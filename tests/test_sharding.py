@@ -1,0 +1,211 @@
+"""Sharding on an 8-device (data=2, fsdp=2, tensor=2) CPU mesh, in a subprocess (the device count
+must be set before jax is imported): parameter placement, a train step matching one device, and
+the configuration errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json
+from types import SimpleNamespace as NS
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mars_jax import sharding, workdir as wd
+from mars_jax.data import IGNORE_INDEX
+from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.train import make_train_step, optimizer
+import optax
+
+out = {"devices": len(jax.devices())}
+cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, rope_theta=1e4, tie_word_embeddings=False)
+
+# --- placement --------------------------------------------------------------------------------
+mesh8 = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+out["mesh8"] = dict(mesh8.shape)
+graphdef, abstract = wd.abstract_params(cfg, mesh8)
+out["specs"] = {
+    jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): [
+        list(a) if isinstance(a, tuple) else a for a in x.sharding.spec
+    ]
+    for p, x in jax.tree_util.tree_leaves_with_path(abstract)
+}
+out["batch_spec"] = [list(a) if isinstance(a, tuple) else a for a in sharding.batch_sharding(mesh8).spec]
+
+# --- one training run on a mesh ---------------------------------------------------------------
+rng = np.random.default_rng(0)
+rows, length = 8, 16
+ids = rng.integers(0, 94, (rows, length)).astype(np.int32)
+prompt = rng.integers(2, 7, rows)
+answer = rng.integers(1, 9, rows)
+col = np.arange(length)[None]
+labelled = (col >= prompt[:, None]) & (col < (prompt + answer)[:, None])
+batch = {"input_ids": ids, "labels": np.where(labelled, ids, IGNORE_INDEX).astype(np.int32)}
+obj = NS(name="mars", block_size=4, ar_weight=0.5, normalization="sequence",
+         max_label_tokens=12, mask_id=95)
+run_cfg = NS(train=NS(warmup_ratio=0.0, learning_rate=1e-2, grad_clip=1.0, weight_decay=0.01))
+
+
+host_params = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
+
+
+def train(mesh, steps=3):
+    graphdef, abstract = wd.abstract_params(cfg, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    params = jax.device_put(host_params, shardings)
+    init = jax.tree.map(np.asarray, params)
+    tx, _ = optimizer(run_cfg, 10)
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    # Moments sharded like their parameters (eval_shape drops shardings, so map them over).
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), shardings,
+        transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    step = jax.jit(
+        make_train_step(graphdef, tx, obj, grad_accum_steps=2),
+        in_shardings=(shardings, opt_shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(shardings, opt_shardings, None),
+    )
+    losses = []
+    for _ in range(steps):
+        b = jax.device_put(batch, sharding.batch_sharding(mesh))
+        params, opt_state, metrics = step(params, opt_state, b)
+        losses.append(float(metrics["loss"]))
+    return init, params, losses, opt_state
+
+
+init8, params8, losses8, opt8 = train(mesh8)
+q = params8["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+out["q_spec"] = [a for a in q.sharding.spec]
+out["q_shard_shapes"] = sorted({tuple(s.data.shape) for s in q.addressable_shards})
+out["q_num_devices"] = len(q.sharding.device_set)
+mu = [x for x in jax.tree.leaves(opt8) if getattr(x, "shape", ()) == q.shape]
+out["mu_specs"] = sorted({str(x.sharding.spec) for x in mu})
+mesh1 = sharding.make_mesh(devices=jax.devices()[:1])
+out["mesh1"] = dict(mesh1.shape)
+init1, params1, losses1, _ = train(mesh1)
+out["losses8"], out["losses1"] = losses8, losses1
+flat = lambda t: [np.asarray(x) for x in jax.tree.leaves(t)]
+out["init_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(flat(init8), flat(init1)))
+out["param_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(flat(params8), flat(params1)))
+out["param_change"] = max(float(np.abs(a - b).max()) for a, b in zip(flat(params1), flat(init1)))
+out["num_params"] = len(flat(params1))
+
+
+# --- errors -----------------------------------------------------------------------------------
+def error(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+out["mesh_errors"] = [
+    error(lambda: sharding.make_mesh(data=3)),
+    error(lambda: sharding.make_mesh(data=-1, fsdp=3)),
+    error(lambda: sharding.make_mesh(data=-1, fsdp=-1, tensor=2)),
+]
+out["mesh_rest"] = dict(sharding.make_mesh(data=-1, fsdp=2, tensor=2).shape)
+mesh_142 = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+for name, bad in [("vocab", dict(vocab_size=97)), ("hidden", dict(hidden_size=30, num_heads=2,
+                                                                    num_kv_heads=2, head_dim=8))]:
+    bad_cfg = ModelConfig(**{**cfg.__dict__, **bad})
+    state = nnx.state(nnx.eval_shape(lambda: Qwen2(bad_cfg, rngs=nnx.Rngs(0))))
+    out["divisible_error_" + name] = error(lambda: sharding.param_shardings(state, mesh_142))
+ok_state = nnx.state(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
+out["divisible_ok"] = error(lambda: sharding.param_shardings(ok_state, mesh_142))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = dict(os.environ)
+    # 8 host "devices"; low backend optimization only to keep compile times short on small CPUs
+    # (both meshes are compiled the same way, so the comparison is unaffected).
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                        " --xla_backend_optimization_level=0").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(line[-1][len("RESULT "):])
+
+
+def test_mesh_shape(result):
+    assert result["devices"] == 8
+    assert result["mesh8"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert result["mesh1"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert result["mesh_rest"] == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_param_partition_specs(result):
+    specs = result["specs"]
+    expected = {
+        "embed_tokens.embedding": ["tensor", "fsdp"],
+        "lm_head.kernel": ["fsdp", "tensor"],
+        "norm.weight": [None],
+        "layers.0.input_layernorm.weight": [None],
+        "layers.0.self_attn.q_proj.kernel": ["fsdp", "tensor"],
+        "layers.0.self_attn.q_proj.bias": ["tensor"],
+        "layers.1.self_attn.k_proj.kernel": ["fsdp", "tensor"],
+        "layers.1.self_attn.v_proj.bias": ["tensor"],
+        "layers.0.self_attn.o_proj.kernel": ["tensor", "fsdp"],
+        "layers.0.mlp.gate_proj.kernel": ["fsdp", "tensor"],
+        "layers.0.mlp.up_proj.kernel": ["fsdp", "tensor"],
+        "layers.1.mlp.down_proj.kernel": ["tensor", "fsdp"],
+    }
+    for name, spec in expected.items():
+        assert specs[name] == spec, (name, specs[name])
+    assert len(specs) == 3 + 2 * 12  # embed, lm_head, norm + per layer 2 norms, 7 kernels, 3 biases
+    assert result["batch_spec"] == [["data", "fsdp"], None]
+
+
+def test_params_are_really_distributed(result):
+    assert result["q_spec"] == ["fsdp", "tensor"]
+    assert result["q_num_devices"] == 8
+    assert result["q_shard_shapes"] == [[16, 16]]  # [32, 32] split 2 x 2, replicated over data
+    # Adam moments of [32, 32] kernels (q_proj, o_proj) stay sharded like those parameters.
+    assert result["mu_specs"] == ["P('fsdp', 'tensor')", "P('tensor', 'fsdp')"]
+
+
+def test_train_step_on_8_devices_matches_1_device(result):
+    assert result["init_diff"] == 0.0
+    l8, l1 = result["losses8"], result["losses1"]
+    assert len(l8) == len(l1) == 3
+    for a, b in zip(l8, l1):
+        assert abs(a - b) < 1e-5, (l8, l1)
+    assert l1[2] < l1[1]  # the optimizer really moved (step 0 runs at warmup learning rate 0)
+    assert result["param_change"] > 1e-3
+    assert result["param_diff"] < 1e-5
+
+
+def test_mesh_errors(result):
+    e1, e2, e3 = result["mesh_errors"]
+    assert e1 is not None and "does not use the 8 devices" in e1 and "'data': 3" in e1
+    assert e2 is not None and "does not use the 8 devices" in e2
+    assert e3 is not None and "at most one mesh axis may be -1" in e3
+
+
+def test_non_divisible_parameter_is_an_error(result):
+    vocab = result["divisible_error_vocab"]
+    assert vocab is not None and "embed_tokens" in vocab and "97" in vocab and "tensor" in vocab
+    hidden = result["divisible_error_hidden"]
+    assert hidden is not None and "30" in hidden and "fsdp" in hidden
+    assert result["divisible_ok"] is None
