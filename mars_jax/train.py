@@ -11,7 +11,6 @@ latest checkpoint of another run's workdir (stage 2 from stage 1).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -88,6 +87,17 @@ def optimizer(cfg, num_steps: int) -> optax.GradientTransformation:
         optax.clip_by_global_norm(t.grad_clip),
         optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=t.weight_decay),
     ), schedule
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_params, mesh):
+    """Shardings of ``tx``'s state: per-parameter moments as their parameters, scalars (e.g. the
+    step count) replicated. ``abstract_params`` carries the parameter shardings."""
+    param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
 
 
 def make_train_step(graphdef, tx, obj, grad_accum_steps: int):
@@ -188,10 +198,7 @@ def train(cfg, workdir: str) -> dict:
 
     param_shardings = jax.tree.map(lambda x: x.sharding, abstract)
     abstract_opt = jax.eval_shape(tx.init, abstract)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_shardings = optax.tree_map_params(
-        tx, lambda p: p.sharding, abstract_opt, transform_non_params=lambda _: replicated
-    )
+    opt_shardings = optimizer_shardings(tx, abstract, mesh)
     start = manager.latest_step()
     if start is None:
         params = initial_params(cfg, model_cfg, graphdef, abstract)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import TINY, hf_logits, save_hf
 from mars_jax import checkpoint
-from mars_jax.model import ModelConfig, Qwen2, RMSNorm, causal_mask, init_cache, rope_tables
+from mars_jax.model import ModelConfig, RMSNorm, causal_mask, init_cache, rope_tables
 
 
 @nnx.jit

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from mars_jax import sharding, workdir as wd
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.train import make_train_step, optimizer
+from mars_jax.train import make_train_step, optimizer, optimizer_shardings
 import optax
 
 out = {"devices": len(jax.devices())}
@@ -67,11 +67,7 @@ def train(mesh, steps=3):
     params = jax.device_put(host_params, shardings)
     init = jax.tree.map(np.asarray, params)
     tx, _ = optimizer(run_cfg, 10)
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    # Moments sharded like their parameters (eval_shape drops shardings, so map them over).
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), shardings,
-        transform_non_params=lambda _: replicated)
+    opt_shardings = optimizer_shardings(tx, abstract, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     step = jax.jit(
         make_train_step(graphdef, tx, obj, grad_accum_steps=2),
