@@ -26,7 +26,6 @@ from mars_jax import sharding, workdir as wd
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.train import make_train_step, optimizer, optimizer_shardings
-import optax
 
 out = {"devices": len(jax.devices())}
 cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
