@@ -16,12 +16,13 @@ def get_config(stage: str = "ar"):
     c.data.source = "messages"
     c.data.max_length = 512
     c.data.eval_path = "../shared/data/gsm8k/test.jsonl"
+    c.data.eval_format = "gsm8k"
     c.objective.block_size = 8
     c.objective.max_label_tokens = 512
     c.train.update(batch_size=384, grad_accum_steps=1, num_epochs=5.0, num_steps=0,
                    learning_rate=5e-6, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
                    log_every=10, save_every=500, max_to_keep=3)
     c.mesh.update(data=-1, fsdp=1, tensor=1)
-    c.eval.update(num_examples=1319, batch_size=64, block_size=8, max_new_tokens=512,
+    c.eval.update(num_examples=1319, batch_size=64, max_new_tokens=512,
                   nll_examples=256)
     return c

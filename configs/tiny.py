@@ -31,6 +31,7 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "source": "synthetic",  # synthetic | gsm8k | messages
             "train_path": "",  # .jsonl / .parquet (gsm8k, messages)
             "eval_path": "",
+            "eval_format": "",  # row format of eval_path; "" = that of the training data
             "num_synthetic_train": 4000,
             "max_length": 128,  # a multiple of objective.block_size
             "all_assistant_turns": False,  # label every assistant turn, not only the last
@@ -60,7 +61,7 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "num_examples": 64,
             "batch_size": 32,
             "thresholds": (1.0, 0.95, 0.9, 0.8, 0.7),
-            "block_size": 4,
+            "block_size": 0,  # 0: the block size the run was trained with
             "max_new_tokens": 64,
             "temperature": 0.0,
             "nll_examples": 64,

@@ -183,8 +183,16 @@ def export_hf(
     Writes config.json and model.safetensors, or several shards plus
     model.safetensors.index.json when the weights exceed ``max_shard_bytes``. A tied model
     writes no lm_head. ``dtype`` (e.g. "bfloat16") casts the saved weights; default: param dtype.
+    Raises FileExistsError if ``path`` already holds safetensors weights (stale shards next to
+    new ones would be ambiguous).
     """
     os.makedirs(path, exist_ok=True)
+    stale = [f for f in os.listdir(path) if f.endswith(".safetensors") or f.endswith(".index.json")]
+    if stale:
+        raise FileExistsError(
+            f"{path} already holds weights ({', '.join(sorted(stale))}); "
+            "export into an empty or new directory"
+        )
     cfg = model.cfg if dtype is None else dataclasses.replace(model.cfg, param_dtype=dtype)
     tensors = {}
     for p, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):

@@ -13,12 +13,17 @@ import json
 from pathlib import Path
 
 import grain
+import jinja2
 import numpy as np
 import pyarrow.parquet as pq
 from absl import logging
 
 from mars_jax.synthetic import arithmetic_problems
-from mars_jax.tokenizer import ENDOFTEXT_ID
+from mars_jax.tokenizer import CONTROL_TOKENS, ENDOFTEXT_ID, MASK_TOKEN
+
+# Strings that the tokenizer turns into control tokens: in content they would end a turn early
+# or put <|mask|> into the clean stream, so such rows are skipped.
+_SPECIAL_STRINGS = tuple(text for _, text, special in CONTROL_TOKENS if special) + (MASK_TOKEN,)
 
 IGNORE_INDEX = -100  # label of a token that is not trained on
 SYNTHETIC = "synthetic"  # source name of the built-in arithmetic problems (see `load_rows`)
@@ -109,6 +114,8 @@ def _checked_messages(messages: list) -> tuple[list[dict], int]:
             raise SkipRow("none_content")
         if not isinstance(m["content"], str) or not isinstance(m["role"], str):
             raise SkipRow("non_string_content")
+        if any(t in m["content"] for t in _SPECIAL_STRINGS):
+            raise SkipRow("special_token_in_content")
         clean.append({"role": m["role"], "content": m["content"]})
     turns = [i for i, m in enumerate(clean) if m["role"] == "assistant"]
     if not turns:
@@ -199,7 +206,8 @@ def tokenize_chat(
       ValueError: max_length is not a positive multiple of block_size, or the chat template does
         not render assistant turns after their generation prompt.
       SkipRow: prompt_too_long, missing_field, none_content, non_string_content,
-        no_assistant_turn or empty_answer.
+        special_token_in_content (a control-token string such as "<|im_end|>" or "<|mask|>" in
+        a content), no_assistant_turn or empty_answer.
     """
     _check_lengths(max_length, block_size)
     texts, labelled = zip(*_chat_segments(tokenizer, messages, all_assistant_turns))
@@ -226,7 +234,8 @@ def build_examples(
 ) -> tuple[list[Example], collections.Counter]:
     """Tokenizes rows (see `rows_to_messages` and `tokenize_chat`) with one batched encode.
 
-    Skipped rows are counted by reason and logged with `source_name`.
+    Skipped rows are counted by reason (those of `tokenize_chat`, plus template_error: the chat
+    template raised while rendering the row) and logged with `source_name`.
 
     Returns:
       (examples, skips): a list of (input_ids int32[n], labels int32[n]) and a Counter of skip
@@ -246,6 +255,8 @@ def build_examples(
             )
         except SkipRow as e:
             skips[e.reason] += 1
+        except jinja2.TemplateError:  # e.g. a template that needs a turn before the assistant's
+            skips["template_error"] += 1
     encoded = iter(tokenizer.encode_batch([text for _, segs in kept for text, _ in segs]))
     examples = []
     for index, segments in kept:
@@ -339,6 +350,8 @@ def eval_examples(
         try:
             messages, last = _checked_messages(rows_to_messages(row, fmt))
         except SkipRow:
+            continue
+        if last == 0:  # nothing to prompt with
             continue
         out.append((messages[:last], messages[last]["content"]))
         if len(out) == num_examples:

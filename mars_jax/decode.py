@@ -203,7 +203,8 @@ def generate(
       seed: PRNG seed for sampling.
 
     Returns:
-      A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths.
+      A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths, block_size or
+      max_new_tokens < 1, or a negative temperature.
     """
     prompt_ids = np.asarray(prompt_ids, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
@@ -214,6 +215,8 @@ def generate(
         )
     if prompt_lengths.min() < 1 or prompt_lengths.max() > prompt_ids.shape[1]:
         raise ValueError(f"prompt_lengths must lie in 1..{prompt_ids.shape[1]}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if block_size < 1 or max_new_tokens < 1:
         raise ValueError(
             f"block_size ({block_size}) and max_new_tokens ({max_new_tokens}) must be >= 1"

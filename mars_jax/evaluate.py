@@ -46,10 +46,12 @@ def extract_answer(text: str) -> str | None:
 
 
 def eval_source(cfg) -> tuple[str, str, int]:
-    """(source, format, seed) of the evaluation prompts; synthetic ones use a held-out seed."""
+    """(source, format, seed) of the evaluation prompts: ``data.eval_path`` read as
+    ``data.eval_format`` ("" = as the training data), or, for synthetic training data, held-out
+    synthetic problems (another seed)."""
     if cfg.data.source == data.SYNTHETIC:
         return data.SYNTHETIC, "gsm8k", cfg.seed + 1
-    return cfg.data.eval_path, cfg.data.source, cfg.seed
+    return cfg.data.eval_path, cfg.data.eval_format or cfg.data.source, cfg.seed
 
 
 def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int) -> float:
@@ -86,6 +88,12 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     e = cfg.eval
     source, fmt, seed = eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
+    if not examples:
+        raise ValueError(
+            f"no evaluation examples in {source} read as {fmt!r} rows "
+            "(set data.eval_format to the file's row format)"
+        )
+    block_size = e.block_size or wd.trained_block_size(workdir)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
     references = [extract_answer(answer) for _, answer in examples]
     width = max(len(p) for p in prompts)
@@ -104,11 +112,12 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
                     model,
                     ids[sl],
                     lengths[sl],
-                    block_size=e.block_size,
+                    block_size=block_size,
                     threshold=threshold,
                     max_new_tokens=e.max_new_tokens,
                     temperature=e.temperature,
                     seed=cfg.seed,
+                    mask_id=tok.mask_id,
                 )
             )
         cat = lambda f: np.concatenate([getattr(o, f) for o in outs])[: len(prompts)]
@@ -152,7 +161,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         "workdir": workdir,
         "step": step,
         "num_examples": len(examples),
-        "block_size": e.block_size,
+        "block_size": block_size,
         "ar_nll": nll,
         "results": results,
     }

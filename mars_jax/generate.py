@@ -11,7 +11,6 @@ with --json one JSON object per prompt: {"prompt", "tokens" (ids), "text",
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 from absl import app, flags
@@ -27,12 +26,6 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _SYSTEM = flags.DEFINE_string("system", None, "Optional system message.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
-
-
-def run_block_size(workdir: str) -> int:
-    """The objective.block_size the run in ``workdir`` was trained with."""
-    with open(os.path.join(workdir, "config.json")) as f:
-        return int(json.load(f)["objective"]["block_size"])
 
 
 def main(argv):
@@ -53,7 +46,11 @@ def main(argv):
         model,
         ids,
         np.array([len(p) for p in prompts]),
-        block_size=_BLOCK_SIZE.value or run_block_size(_WORKDIR.value),
+        block_size=(
+            wd.trained_block_size(_WORKDIR.value)
+            if _BLOCK_SIZE.value is None
+            else _BLOCK_SIZE.value
+        ),
         threshold=_THRESHOLD.value,
         max_new_tokens=_MAX_NEW.value,
         temperature=_TEMPERATURE.value,

@@ -65,6 +65,14 @@ def target_positions(labels: jax.Array, max_label_tokens: int | None):
     return order, jnp.where(take(valid), take(shifted), 0), take(valid)
 
 
+def loss_denominator(labels: jax.Array, normalization: str) -> jax.Array:
+    """What `cross_entropy` divides by for ``labels`` [B, L]: the number of labelled targets
+    ("token") or of rows with any ("sequence"); int32 scalar. Weighting micro-batch losses by
+    their denominators reproduces the loss of the whole batch."""
+    per_row = (labels[:, 1:] != IGNORE_INDEX).sum(axis=1)
+    return per_row.sum() if normalization == "token" else (per_row > 0).sum()
+
+
 def cross_entropy(model: Qwen2, hidden: jax.Array, positions, targets, valid, normalization: str):
     """Mean CE of ``targets`` given hidden states [B, T, D] gathered at ``positions`` [B, K].
 
@@ -130,8 +138,18 @@ def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
 OBJECTIVES = {"ar": ar_loss, "mars": mars_loss}
 
 
-def loss_fn(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-    """Dispatches on ``cfg.name`` ("ar" or "mars"); returns (scalar loss, metrics dict)."""
+def check_config(cfg: Any) -> None:
+    """Raises ValueError for an unknown ``cfg.name`` or ``cfg.normalization``."""
     if cfg.name not in OBJECTIVES:
         raise ValueError(f"objective.name must be one of {sorted(OBJECTIVES)}, got {cfg.name!r}")
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ValueError(
+            f"objective.normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}"
+        )
+
+
+def loss_fn(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
+    """Dispatches on ``cfg.name`` ("ar" or "mars"); returns (scalar loss, metrics dict).
+    Raises ValueError (see `check_config`)."""
+    check_config(cfg)
     return OBJECTIVES[cfg.name](model, batch, cfg)

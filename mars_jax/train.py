@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 
 from mars_jax import checkpoint, data, sharding, workdir as wd
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import loss_fn
+from mars_jax.objectives import check_config, loss_denominator, loss_fn
 from mars_jax.tokenizer import load_tokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run config file.")
@@ -39,6 +39,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, log
 def model_config(cfg) -> ModelConfig:
     """The model to train: from ``init_from`` (HF dir or workdir) if set, else ``cfg.model``."""
     dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
+    if cfg.init_from and not os.path.isdir(cfg.init_from):
+        raise FileNotFoundError(f"init_from={cfg.init_from!r} is not a directory")
     if cfg.init_from and wd.is_workdir(cfg.init_from):
         return wd.read_model_config(cfg.init_from, **dtypes)
     if cfg.init_from:
@@ -65,6 +67,7 @@ def objective_config(cfg, mask_id: int, examples) -> types.SimpleNamespace:
     to a multiple of 8 (logits are computed at that many positions per row).
     """
     obj = types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
+    check_config(obj)
     if not obj.max_label_tokens:
         longest = max(int((labels != data.IGNORE_INDEX).sum()) for _, labels in examples)
         obj.max_label_tokens = -(-longest // 8) * 8
@@ -95,7 +98,10 @@ def optimizer_shardings(tx: optax.GradientTransformation, abstract_params, mesh)
     param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), param_shardings,
+        tx,
+        lambda _, s: s,
+        jax.eval_shape(tx.init, abstract_params),
+        param_shardings,
         transform_non_params=lambda _: replicated,
     )
 
@@ -104,7 +110,8 @@ def make_train_step(graphdef, tx, obj, grad_accum_steps: int):
     """A pure step (params, opt_state, batch) -> (params, opt_state, metrics).
 
     The batch ({input_ids, labels} int32 [batch, L]) is split into ``grad_accum_steps``
-    micro-batches whose gradients are averaged (lax.scan) before one optimizer update.
+    micro-batches (lax.scan); their gradients and metrics are combined with weights
+    proportional to their loss denominators, so the update equals that of the whole batch.
     """
 
     def grads_of(params, micro):
@@ -115,17 +122,19 @@ def make_train_step(graphdef, tx, obj, grad_accum_steps: int):
 
     def step(params, opt_state, batch):
         micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
+        denominators = jax.vmap(lambda l: loss_denominator(l, obj.normalization))(micro["labels"])
+        weights = denominators / jnp.maximum(denominators.sum(), 1)
 
-        def body(acc, mb):
+        def body(acc, inputs):
+            mb, w = inputs
             g, m = grads_of(params, mb)
-            return jax.tree.map(jnp.add, acc, (g, m)), None
+            return jax.tree.map(lambda a, x: a + w * x, acc, (g, m)), None
 
         zeros = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-        (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
-        grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
-        metrics["label_tokens"] = metrics["label_tokens"] * grad_accum_steps
-        metrics["grad_norm"] = optax.global_norm(grads)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros)
+        (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
+        metrics["label_tokens"] = (batch["labels"][:, 1:] != data.IGNORE_INDEX).sum()
+        metrics["grad_norm"] = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
@@ -175,11 +184,12 @@ def load_train_examples(cfg, tok):
 
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training in ``workdir``; returns the last logged metrics."""
+    check_config(cfg.objective)
     tok = load_tokenizer(tokenizer_source(cfg))
     model_cfg = model_config(cfg)
     examples = load_train_examples(cfg, tok)
     t = cfg.train
-    num_steps = t.num_steps or max(1, int(t.num_epochs * len(examples) // t.batch_size))
+    num_steps = t.num_steps or max(1, int(t.num_epochs * (len(examples) // t.batch_size)))
     if t.batch_size % t.grad_accum_steps:
         raise ValueError(
             f"train.batch_size {t.batch_size} is not divisible by "
@@ -193,7 +203,7 @@ def train(cfg, workdir: str) -> dict:
     mesh = sharding.make_mesh(**cfg.mesh)
     graphdef, abstract = wd.abstract_params(model_cfg, mesh)
     tx, schedule = optimizer(cfg, num_steps)
-    wd.write_run_files(workdir, cfg.to_json_best_effort(indent=2), model_cfg, tok)
+    run_config = cfg.to_json_best_effort(indent=2)
     manager = wd.checkpoint_manager(workdir, max_to_keep=t.max_to_keep)
 
     param_shardings = jax.tree.map(lambda x: x.sharding, abstract)
@@ -203,8 +213,10 @@ def train(cfg, workdir: str) -> dict:
     if start is None:
         params = initial_params(cfg, model_cfg, graphdef, abstract)
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+        wd.write_run_files(workdir, run_config, model_cfg, tok)
         start = 0
     else:
+        wd.check_same_run(workdir, run_config)
         params, _ = wd.restore_params(manager, abstract, start)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -271,7 +283,7 @@ def train(cfg, workdir: str) -> dict:
             manager.save(
                 done,
                 args=ocp.args.Composite(
-                    params=ocp.args.StandardSave(params.to_pure_dict()),
+                    params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
                     opt_state=ocp.args.StandardSave(opt_state),
                 ),
                 force=True,
@@ -291,9 +303,15 @@ def _sequence_lengths(labels: np.ndarray) -> np.ndarray:
 def _open_metrics(path: str, start: int):
     """Opens the metrics log for appending, first dropping records of steps after ``start``
     (logged by an interrupted run after its last checkpoint, and about to be redone)."""
+    kept = []
     if os.path.exists(path):
         with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+            for number, line in enumerate(f, start=1):
+                try:
+                    if json.loads(line)["step"] <= start:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError):  # a line torn by a kill
+                    logging.warning("%s:%d: dropping unreadable metrics record", path, number)
         with open(path, "w") as f:
             f.writelines(kept)
     return open(path, "a")

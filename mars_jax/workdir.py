@@ -6,7 +6,7 @@ Layout of ``workdir``:
   tokenizer/        the tokenizer files (transformers-loadable, with <|mask|>)
   checkpoints/<step>/{params, opt_state}   Orbax checkpoints (atomic, written asynchronously)
   metrics.jsonl     one JSON object per logged training step
-Parameters are saved as nested dicts of arrays (``nnx.State.to_pure_dict``), readable without
+Parameters are saved as nested dicts of arrays (``nnx.to_pure_dict``), readable without
 this package.
 """
 
@@ -52,6 +52,48 @@ def write_run_files(workdir: str, run_config_json: str, cfg: ModelConfig, tok: T
     tok.save(os.path.join(workdir, "tokenizer"))
 
 
+# Keys that may differ when a run is resumed: they do not change what is computed.
+_RESUMABLE_CHANGES = ("train.log_every", "train.save_every", "train.max_to_keep")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_same_run(workdir: str, run_config_json: str) -> None:
+    """Before resuming: raises ValueError if ``workdir/config.json`` differs from the new run
+    config in any key but logging/saving cadence (a different batch size, schedule, objective,
+    model or data would silently mix two runs). The message lists the differing keys."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir} has checkpoints but no run config")
+    with open(path) as f:
+        saved = _flatten(json.load(f))
+    new = _flatten(json.loads(run_config_json))
+    diff = [
+        f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(saved.keys() | new.keys())
+        if saved.get(k) != new.get(k) and k not in _RESUMABLE_CHANGES
+    ]
+    if diff:
+        raise ValueError(
+            f"{workdir} holds a run with another config ({'; '.join(diff)}): resume it with its "
+            "own config, or start the new run in a new workdir"
+        )
+
+
+def trained_block_size(workdir: str) -> int:
+    """The ``objective.block_size`` the run in ``workdir`` was trained with."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        return int(json.load(f)["objective"]["block_size"])
+
+
 def read_model_config(workdir: str, **overrides) -> ModelConfig:
     """The `ModelConfig` saved in ``workdir/model.json``, with field ``overrides`` (e.g. dtype)."""
     path = os.path.join(workdir, "model.json")
@@ -87,7 +129,7 @@ def restore_params(manager: ocp.CheckpointManager, abstract: nnx.State, step: in
     step = manager.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-    target = abstract.to_pure_dict()
+    target = nnx.to_pure_dict(abstract)
     restored = manager.restore(
         step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))
     ).params

@@ -89,7 +89,7 @@ def read_metrics(workdir):
 
 
 def flat_params(model):
-    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param).to_pure_dict())
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
