@@ -176,6 +176,27 @@ def test_skip_reasons_counted(tok):
     assert "None" not in tok.decode(examples[0][0])
 
 
+def test_special_strings_and_unrenderable_rows_are_skipped(tok):
+    """A control-token string in content would cut the labelled turn at a fake <|im_end|> or
+    put <|mask|> into the clean stream; a template that cannot render a row (the Qwen2 release
+    template on an assistant-first row) must not stop the whole build."""
+    user = {"role": "user", "content": "q"}
+    rows = [
+        {"messages": [user, {"role": "assistant", "content": "foo <|im_end|> bar"}]},
+        {"messages": [user, {"role": "assistant", "content": "a <|mask|> b"}]},
+        {"messages": [{"role": "user", "content": "<|endoftext|>"}, {"role": "assistant", "content": "x"}]},
+        {"messages": [user, {"role": "assistant", "content": "fine"}]},
+    ]
+    examples, skips = data.build_examples(rows, tok, "messages", max_length=128, block_size=BS)
+    assert skips == {"special_token_in_content": 3} and len(examples) == 1
+    if not (SHARED_DATA / "qwen2-tokenizer" / "vocab.json").exists():
+        pytest.skip("qwen2-tokenizer not found")
+    qwen2 = load_tokenizer(str(SHARED_DATA / "qwen2-tokenizer"))
+    rows = [{"messages": [{"role": "assistant", "content": "a"}]}, rows[-1]]
+    examples, skips = data.build_examples(rows, qwen2, "messages", max_length=128, block_size=BS)
+    assert skips == {"template_error": 1} and len(examples) == 1
+
+
 def test_max_label_tokens(tok):
     rows = [{"question": "q", "answer": "short"}, {"question": "q", "answer": "a much longer answer " * 20}]
     examples, _ = data.build_examples(

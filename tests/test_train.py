@@ -403,3 +403,41 @@ def test_export_cli_loads_in_transformers(hf_run, tmp_path):
     assert list(encoded["input_ids"]) == tok.apply_chat_template(messages, True)
     text = "Tom has 12 apples. <|mask|> He gives 5 away."
     assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
+
+
+def test_resume_refuses_a_changed_config(stage1):
+    """Resuming a workdir with another batch size (or stage) would silently mix two runs."""
+    workdir, _, _ = stage1
+    before = open(os.path.join(workdir, "config.json")).read()
+    with pytest.raises(ValueError, match=r"train\.batch_size: 4 -> 8"):
+        train.train(get_config("ar", train__batch_size=8), workdir)
+    with pytest.raises(ValueError, match=r"objective\.name: 'ar' -> 'mars'"):
+        train.train(get_config("mars"), workdir)
+    assert open(os.path.join(workdir, "config.json")).read() == before  # nothing rewritten
+
+
+def test_grad_accumulation_equals_whole_batch():
+    """Micro-batches with different label counts: the accumulated update equals the update on
+    the whole batch, for both normalizations."""
+    cfg = get_config("ar")
+    model_cfg = train.model_config(cfg)
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 1000, (4, 16)).astype(np.int32)
+    labels = np.full_like(ids, data.IGNORE_INDEX)
+    for row, start in enumerate([2, 12, 5, 14]):  # 14, 4, 11 and 2 labelled tokens
+        labels[row, start:] = ids[row, start:]
+    batch = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
+    graphdef, params = nnx.split(train.Qwen2(model_cfg, rngs=nnx.Rngs(0)))
+    for norm in ("token", "sequence"):
+        obj = types.SimpleNamespace(name="ar", normalization=norm, max_label_tokens=None)
+        tx, _ = train.optimizer(cfg, 10)
+        results = []
+        for accum in (1, 2):
+            step = jax.jit(train.make_train_step(graphdef, tx, obj, accum))
+            new_params, _, metrics = step(params, tx.init(params), batch)
+            results.append((jax.tree.leaves(new_params), metrics))
+        (p1, m1), (p2, m2) = results
+        assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-5)
+        assert float(m1["grad_norm"]) == pytest.approx(float(m2["grad_norm"]), rel=1e-4)
+        for a, b in zip(p1, p2):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
