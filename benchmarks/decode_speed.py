@@ -52,7 +52,7 @@ def _time(model, ids, lengths, batch: int, block_size: int, threshold: float):
 
 def main(argv):
     del argv
-    wd.quiet_orbax_logs()
+    wd.quiet_library_logs()
     cfg = _CONFIG.value
     model, tok, step = wd.load_model(_WORKDIR.value)
     source, fmt, seed = evaluate.eval_source(cfg)

@@ -124,10 +124,12 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         return cat("tokens"), cat("lengths"), cat("accepted"), cat("row_forwards")
 
     # Compiles once (threshold is a traced argument) and gives the one-token (AR) reference.
+    logging.info("compiling the decoder and decoding the threshold-1.0 reference")
     tokens, lens, _, _ = run(1.0)
     reference_outputs = [tokens[i, : lens[i]].tolist() for i in range(len(prompts))]
     results = []
     for threshold in e.thresholds:
+        logging.info("decoding %d prompts at threshold %.2f", len(prompts), threshold)
         start = time.perf_counter()
         tokens, lens, accepted, row_forwards = run(threshold)
         seconds = time.perf_counter() - start
@@ -191,7 +193,7 @@ def format_table(report: dict) -> str:
 
 def main(argv):
     del argv
-    wd.quiet_orbax_logs()
+    wd.quiet_library_logs()
     logging.info("evaluating %s", _WORKDIR.value)
     evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value)
 

@@ -22,7 +22,7 @@ _DTYPE = flags.DEFINE_string("dtype", None, "Weight dtype to save (default: para
 
 def main(argv):
     del argv
-    wd.quiet_orbax_logs()
+    wd.quiet_library_logs()
     model, tok, step = wd.load_model(_WORKDIR.value, step=_STEP.value)
     export_hf(model, _OUTPUT.value, dtype=_DTYPE.value)
     tok.save(_OUTPUT.value)

@@ -30,7 +30,7 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
 
 def main(argv):
     del argv
-    wd.quiet_orbax_logs()
+    wd.quiet_library_logs()
     model, tok, _ = wd.load_model(_WORKDIR.value, step=_STEP.value)
     system = [{"role": "system", "content": _SYSTEM.value}] if _SYSTEM.value else []
     prompts = [

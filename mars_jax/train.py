@@ -234,14 +234,18 @@ def train(cfg, workdir: str) -> dict:
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),
     )
-    logging.info(
-        "training %s for %d steps (%d examples, batch %d, loss at <= %d positions per row)",
-        cfg.objective.name,
-        num_steps,
-        len(examples),
-        t.batch_size,
-        obj.max_label_tokens,
-    )
+    if start >= num_steps:
+        logging.info("%s is already at step %d of %d: nothing to do", workdir, start, num_steps)
+    else:
+        logging.info(
+            "training %s from step %d to %d (%d examples, batch %d, loss at <= %d positions/row)",
+            cfg.objective.name,
+            start,
+            num_steps,
+            len(examples),
+            t.batch_size,
+            obj.max_label_tokens,
+        )
     metrics_file = _open_metrics(os.path.join(workdir, "metrics.jsonl"), start)
     last, t0, tokens, window_start = {}, time.time(), 0, time.time()
     for step in range(start, num_steps):
@@ -263,14 +267,16 @@ def train(cfg, workdir: str) -> dict:
                 "eta_s": (num_steps - done) / rate,
             }
             tokens, window_start = 0, now
+            parts = "".join(
+                f" {k} {last[k]:.4f}" for k in ("noisy_loss", "clean_loss") if k in last
+            )
             logging.info(
-                "step %d/%d (%.0f%%) loss %.4f noisy %s clean %.4f lr %.2e tokens/s %.0f ETA %s",
+                "step %d/%d (%.0f%%) loss %.4f%s lr %.2e tokens/s %.0f ETA %s",
                 done,
                 num_steps,
                 100 * last["progress"],
                 last["loss"],
-                f"{last['noisy_loss']:.4f}" if "noisy_loss" in last else "-",
-                last["clean_loss"],
+                parts,
                 last["learning_rate"],
                 last["tokens_per_s"],
                 _hms(last["eta_s"]),
@@ -324,7 +330,7 @@ def _hms(seconds: float) -> str:
 
 def main(argv):
     del argv
-    wd.quiet_orbax_logs()
+    wd.quiet_library_logs()
     train(_CONFIG.value, _WORKDIR.value)
 
 

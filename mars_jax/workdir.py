@@ -28,11 +28,14 @@ from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
 
-def quiet_orbax_logs() -> None:
-    """Drops Orbax's INFO records (several per save) from absl's log handler; warnings stay."""
+def quiet_library_logs() -> None:
+    """Keeps INFO records of mars-jax only in absl's log handler (Orbax logs several per save,
+    JAX reports absent TPU runtimes); warnings and errors of every library stay."""
+
+    package = os.path.dirname(os.path.abspath(__file__))
 
     def keep(record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+        return record.levelno >= logging.WARNING or record.pathname.startswith(package)
 
     absl_logging.get_absl_handler().addFilter(keep)
 
