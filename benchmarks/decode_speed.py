@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from mars_jax import data, decode, evaluate, workdir as wd
+from mars_jax import data, decode, workdir as wd
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run config (eval data).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Trained MARS run directory.", required=True)
@@ -55,7 +55,7 @@ def main(argv):
     wd.quiet_library_logs()
     cfg = _CONFIG.value
     model, tok, step = wd.load_model(_WORKDIR.value)
-    source, fmt, seed = evaluate.eval_source(cfg)
+    source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=_NUM_PROMPTS.value, fmt=fmt, seed=seed)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
     ids = np.full((len(prompts), max(map(len, prompts))), tok.pad_id, np.int32)

@@ -357,3 +357,12 @@ def eval_examples(
         if len(out) == num_examples:
             break
     return out
+
+
+def eval_source(cfg) -> tuple[str, str, int]:
+    """(source, format, seed) of the evaluation prompts: ``data.eval_path`` read as
+    ``data.eval_format`` ("" = as the training data), or, for synthetic training data, held-out
+    synthetic problems (another seed)."""
+    if cfg.data.source == SYNTHETIC:
+        return SYNTHETIC, "gsm8k", cfg.seed + 1
+    return cfg.data.eval_path, cfg.data.eval_format or cfg.data.source, cfg.seed

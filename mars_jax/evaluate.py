@@ -45,15 +45,6 @@ def extract_answer(text: str) -> str | None:
     return number[:-2] if number.endswith(".0") else number
 
 
-def eval_source(cfg) -> tuple[str, str, int]:
-    """(source, format, seed) of the evaluation prompts: ``data.eval_path`` read as
-    ``data.eval_format`` ("" = as the training data), or, for synthetic training data, held-out
-    synthetic problems (another seed)."""
-    if cfg.data.source == data.SYNTHETIC:
-        return data.SYNTHETIC, "gsm8k", cfg.seed + 1
-    return cfg.data.eval_path, cfg.data.eval_format or cfg.data.source, cfg.seed
-
-
 def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int) -> float:
     """Mean per-token NLL (nats) of the reference answers (+ <|im_end|>) under AR teacher forcing."""
     rows = [
@@ -86,7 +77,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     """Runs the evaluation described in the module docstring; returns the results dict."""
     model, tok, step = wd.load_model(workdir, step=step)
     e = cfg.eval
-    source, fmt, seed = eval_source(cfg)
+    source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
         raise ValueError(
