@@ -10,7 +10,9 @@ from configs import tiny
 def get_config(stage: str = "ar"):
     """lr 5e-6, effective batch 384, max length 512, warmup 3%, 5 epochs, block size 8."""
     c = tiny.get_config(stage)
-    c.init_from = ""  # required: HF directory (stage 1) or stage-1 workdir (stage 2)
+    # Placeholders to override (a missing directory or file is an error, never a random init):
+    c.init_from = "/path/to/Qwen2.5-0.5B-Instruct"  # stage 2: the stage-1 workdir
+    c.data.train_path = "/path/to/sft.jsonl"
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.data.source = "messages"

@@ -7,6 +7,7 @@ from configs import qwen0_5b
 def get_config(stage: str = "ar"):
     """As `configs/qwen0_5b.py`, with an fsdp mesh and gradient accumulation."""
     c = qwen0_5b.get_config(stage)
+    c.init_from = "/path/to/Qwen2.5-7B-Instruct"  # stage 2: the stage-1 workdir
     c.train.grad_accum_steps = 4
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     return c

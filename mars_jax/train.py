@@ -185,8 +185,8 @@ def load_train_examples(cfg, tok):
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training in ``workdir``; returns the last logged metrics."""
     check_config(cfg.objective)
-    tok = load_tokenizer(tokenizer_source(cfg))
     model_cfg = model_config(cfg)
+    tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
     t = cfg.train
     num_steps = t.num_steps or max(1, int(t.num_epochs * (len(examples) // t.batch_size)))
