@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -34,9 +33,14 @@ def _time(model, ids, lengths, batch: int, block_size: int, threshold: float):
     def run():
         accepted, forwards = 0, 0
         for i in range(0, len(ids), batch):
-            out = decode.generate(model, ids[i : i + batch], lengths[i : i + batch],
-                                  block_size=block_size, threshold=threshold,
-                                  max_new_tokens=_MAX_NEW.value)
+            out = decode.generate(
+                model,
+                ids[i : i + batch],
+                lengths[i : i + batch],
+                block_size=block_size,
+                threshold=threshold,
+                max_new_tokens=_MAX_NEW.value,
+            )
             accepted += int(out.accepted.sum())
             forwards += int(out.row_forwards.sum())
         return accepted, forwards
@@ -58,27 +62,30 @@ def main(argv):
     source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=_NUM_PROMPTS.value, fmt=fmt, seed=seed)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
-    ids = np.full((len(prompts), max(map(len, prompts))), tok.pad_id, np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    block_size = cfg.objective.block_size
-    print(f"{_WORKDIR.value} step {step}: {len(prompts)} prompts, max_new_tokens "
-          f"{_MAX_NEW.value}, MARS block_size {block_size}")
+    ids, lengths = decode.pad_prompts(prompts, tok.pad_id)
+    block_size = wd.trained_block_size(_WORKDIR.value)
+    print(
+        f"{_WORKDIR.value} step {step}: {len(prompts)} prompts, max_new_tokens "
+        f"{_MAX_NEW.value}, MARS block_size {block_size}"
+    )
     print("| batch | decoder | threshold | tokens/forward | tokens/s | speedup vs AR |")
     print("|---|---|---|---|---|---|")
     rows = []
     for batch in map(int, _BATCH_SIZES.value):
         base = _time(model, ids, lengths, batch, 1, 1.0)
         rows.append({"batch": batch, "decoder": "ar", "threshold": 1.0, **base})
-        print(f"| {batch} | AR (KV cache) | 1.00 | {base['tokens_per_forward']:.2f} | "
-              f"{base['tokens_per_s']:.1f} | 1.00x |")
+        print(
+            f"| {batch} | AR (KV cache) | 1.00 | {base['tokens_per_forward']:.2f} | "
+            f"{base['tokens_per_s']:.1f} | 1.00x |"
+        )
         for threshold in map(float, _THRESHOLDS.value):
             r = _time(model, ids, lengths, batch, block_size, threshold)
             rows.append({"batch": batch, "decoder": "mars", "threshold": threshold, **r})
-            print(f"| {batch} | MARS B={block_size} | {threshold:.2f} | "
-                  f"{r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | "
-                  f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x |")
+            print(
+                f"| {batch} | MARS B={block_size} | {threshold:.2f} | "
+                f"{r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | "
+                f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x |"
+            )
     print(json.dumps(rows))
 
 

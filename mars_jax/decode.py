@@ -56,6 +56,23 @@ class DecodeOutput:
         return float(self.accepted.sum() / max(self.row_forwards.sum(), 1))
 
 
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, rows: int | None = None):
+    """Right-pads token-id lists into the inputs of `generate`.
+
+    Returns (prompt_ids int32 [rows, P], prompt_lengths int32 [rows]) with P the longest prompt;
+    ``rows`` (default: len(prompts)) may add filler rows (one pad token each) so that every
+    batch has the same shape and compiles once. Raises ValueError for an empty prompt.
+    """
+    rows = len(prompts) if rows is None else rows
+    ids = np.full((rows, max(map(len, prompts))), pad_id, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, p in enumerate(prompts):
+        if not len(p):
+            raise ValueError(f"prompt {i} is empty")
+        ids[i, : len(p)], lengths[i] = p, len(p)
+    return ids, lengths
+
+
 def _rowwise_slice(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """x [R, N, ...] -> [R, size, ...], row r starting at start[r]."""
     return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size, axis=0))(x, start)

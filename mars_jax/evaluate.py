@@ -87,12 +87,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     block_size = e.block_size or wd.trained_block_size(workdir)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
     references = [extract_answer(answer) for _, answer in examples]
-    width = max(len(p) for p in prompts)
     n_batches = -(-len(prompts) // e.batch_size)
-    ids = np.full((n_batches * e.batch_size, width), tok.pad_id, np.int32)
-    lengths = np.ones((n_batches * e.batch_size,), np.int32)  # padding rows: 1 token
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)], lengths[i] = p, len(p)
+    ids, lengths = decode.pad_prompts(prompts, tok.pad_id, rows=n_batches * e.batch_size)
 
     def run(threshold):
         outs = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 from absl import app, flags
 
 from mars_jax import decode, workdir as wd
@@ -39,13 +38,9 @@ def main(argv):
         )
         for p in _PROMPT.value
     ]
-    ids = np.full((len(prompts), max(map(len, prompts))), tok.pad_id, np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = p
     out = decode.generate(
         model,
-        ids,
-        np.array([len(p) for p in prompts]),
+        *decode.pad_prompts(prompts, tok.pad_id),
         block_size=(
             wd.trained_block_size(_WORKDIR.value)
             if _BLOCK_SIZE.value is None

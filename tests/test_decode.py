@@ -386,3 +386,13 @@ def test_invalid_arguments(flat):
         decode.generate(flat, ids, lengths, block_size=0, threshold=0.9, max_new_tokens=4)
     with pytest.raises(ValueError):
         decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=0)
+
+
+def test_pad_prompts():
+    ids, lengths = decode.pad_prompts([[5, 6, 7], [8]], pad_id=ENDOFTEXT_ID, rows=3)
+    np.testing.assert_array_equal(ids, [[5, 6, 7], [8, ENDOFTEXT_ID, ENDOFTEXT_ID],
+                                        [ENDOFTEXT_ID] * 3])
+    np.testing.assert_array_equal(lengths, [3, 1, 1])
+    assert ids.dtype == lengths.dtype == np.int32
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decode.pad_prompts([[1], []], pad_id=0)
