@@ -15,79 +15,94 @@ from __future__ import annotations
 import json
 import time
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-from mars_jax import data, decode, workdir as wd
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run config (eval data).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Trained MARS run directory.", required=True)
-_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["4", "16"], "Batch sizes to time.")
-_THRESHOLDS = flags.DEFINE_list("thresholds", ["1.0", "0.95", "0.9", "0.8"], "MARS thresholds.")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 32, "Prompts decoded per configuration.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Completion budget.")
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per configuration (best is kept).")
+from mars_jax import cli, data, decode, workdir as wd
 
 
-def _time(model, ids, lengths, batch: int, block_size: int, threshold: float):
+def _time(model, prompts, *, batch: int, block_size: int, threshold: float, max_new_tokens: int,
+          repeats: int, pad_id: int) -> dict:
+    """Best wall-clock of ``repeats`` decodes of ``prompts`` (after one compiling run)."""
+
     def run():
-        accepted, forwards = 0, 0
-        for i in range(0, len(ids), batch):
-            out = decode.generate(
-                model,
-                ids[i : i + batch],
-                lengths[i : i + batch],
-                block_size=block_size,
-                threshold=threshold,
-                max_new_tokens=_MAX_NEW.value,
-            )
-            accepted += int(out.accepted.sum())
-            forwards += int(out.row_forwards.sum())
-        return accepted, forwards
+        return decode.generate_batched(
+            model,
+            prompts,
+            batch_size=batch,
+            pad_id=pad_id,
+            block_size=block_size,
+            threshold=threshold,
+            max_new_tokens=max_new_tokens,
+        )
 
     run()  # compile
     best = float("inf")
-    for _ in range(_REPEATS.value):
+    for _ in range(repeats):
         start = time.perf_counter()
-        accepted, forwards = run()
+        out = run()
         best = min(best, time.perf_counter() - start)
-    return {"tokens_per_forward": accepted / forwards, "tokens_per_s": accepted / best}
+    return {"tokens_per_forward": out.tokens_per_forward, "tokens_per_s": float(out.accepted.sum() / best)}
 
 
-def main(argv):
-    del argv
-    wd.quiet_library_logs()
-    cfg = _CONFIG.value
-    model, tok, step = wd.load_model(_WORKDIR.value)
+def benchmark(cfg, workdir: str, *, batch_sizes, thresholds, num_prompts: int,
+              max_new_tokens: int, repeats: int) -> list[dict]:
+    """Prints the side-by-side table (module docstring) and returns its rows."""
+    model, tok, step = wd.load_model(workdir)
     source, fmt, seed = data.eval_source(cfg)
-    examples = data.eval_examples(source, num_examples=_NUM_PROMPTS.value, fmt=fmt, seed=seed)
+    examples = data.eval_examples(source, num_examples=num_prompts, fmt=fmt, seed=seed)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
-    ids, lengths = decode.pad_prompts(prompts, tok.pad_id)
-    block_size = wd.trained_block_size(_WORKDIR.value)
+    block_size = wd.trained_block_size(workdir)
+    timing = dict(max_new_tokens=max_new_tokens, repeats=repeats, pad_id=tok.pad_id)
     print(
-        f"{_WORKDIR.value} step {step}: {len(prompts)} prompts, max_new_tokens "
-        f"{_MAX_NEW.value}, MARS block_size {block_size}"
+        f"{workdir} step {step}: {len(prompts)} prompts, max_new_tokens "
+        f"{max_new_tokens}, MARS block_size {block_size}"
     )
     print("| batch | decoder | threshold | tokens/forward | tokens/s | speedup vs AR |")
     print("|---|---|---|---|---|---|")
     rows = []
-    for batch in map(int, _BATCH_SIZES.value):
-        base = _time(model, ids, lengths, batch, 1, 1.0)
+    for batch in batch_sizes:
+        base = _time(model, prompts, batch=batch, block_size=1, threshold=1.0, **timing)
         rows.append({"batch": batch, "decoder": "ar", "threshold": 1.0, **base})
         print(
             f"| {batch} | AR (KV cache) | 1.00 | {base['tokens_per_forward']:.2f} | "
             f"{base['tokens_per_s']:.1f} | 1.00x |"
         )
-        for threshold in map(float, _THRESHOLDS.value):
-            r = _time(model, ids, lengths, batch, block_size, threshold)
+        for threshold in thresholds:
+            r = _time(
+                model, prompts, batch=batch, block_size=block_size, threshold=threshold, **timing
+            )
             rows.append({"batch": batch, "decoder": "mars", "threshold": threshold, **r})
             print(
                 f"| {batch} | MARS B={block_size} | {threshold:.2f} | "
                 f"{r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | "
                 f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x |"
             )
-    print(json.dumps(rows))
+    return rows
+
+
+def main() -> None:
+    config = cli.config_flag(help="Run config (eval data).")
+    workdir = cli.workdir_flag("Trained MARS run directory.")
+    batch_sizes = flags.DEFINE_list("batch_sizes", ["4", "16"], "Batch sizes to time.")
+    thresholds = flags.DEFINE_list("thresholds", ["1.0", "0.95", "0.9", "0.8"], "MARS thresholds.")
+    num_prompts = flags.DEFINE_integer("num_prompts", 32, "Prompts decoded per configuration.")
+    max_new = flags.DEFINE_integer("max_new_tokens", 128, "Completion budget.")
+    repeats = flags.DEFINE_integer("repeats", 2, "Timed runs per configuration (best is kept).")
+
+    def run():
+        rows = benchmark(
+            config.value,
+            workdir.value,
+            batch_sizes=[int(b) for b in batch_sizes.value],
+            thresholds=[float(t) for t in thresholds.value],
+            num_prompts=num_prompts.value,
+            max_new_tokens=max_new.value,
+            repeats=repeats.value,
+        )
+        print(json.dumps(rows))
+
+    cli.run(run)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

@@ -7,6 +7,8 @@ This file holds the full config schema; the other configs start from it.
 
 import ml_collections
 
+from mars_jax.sharding import DEFAULT_RULES
+
 
 def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
     """Run config for ``stage`` "ar" (stage 1) or "mars" (stage 2: ``--config=configs/tiny.py:mars``).
@@ -56,7 +58,9 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "save_every": 100,
             "max_to_keep": 2,
         },
-        "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+        # Device mesh axes (-1: the remaining devices) and the logical-axis sharding rules:
+        # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('fsdp','tensor')".
+        "mesh": {"data": -1, "fsdp": 1, "tensor": 1, "rules": dict(DEFAULT_RULES)},
         "eval": {
             "num_examples": 64,
             "batch_size": 32,

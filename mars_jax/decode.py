@@ -22,12 +22,13 @@ import dataclasses
 import functools
 from typing import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mars_jax.model import Qwen2, init_cache
+from mars_jax.model import KVCache, Qwen2, init_cache
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 DEFAULT_EOS_IDS = (IM_END_ID, ENDOFTEXT_ID)
@@ -41,7 +42,8 @@ class DecodeOutput:
       <|endoftext|>. lengths: int32 [R], completion lengths (EOS excluded).
     accepted: int32 [R], tokens accepted per row, the EOS included (what the forwards produced).
     row_forwards: int32 [R], decoding forwards in which each row was still active.
-    forwards: int, decoding forwards of the whole batch (the prefill is not counted).
+    forwards: int, decoding forwards of the whole batch (the prefill is not counted); summed
+      over batches by `concatenate`.
     """
 
     tokens: np.ndarray
@@ -54,6 +56,23 @@ class DecodeOutput:
     def tokens_per_forward(self) -> float:
         """Accepted tokens per decoding forward, summed over rows (1.0 in one-token mode)."""
         return float(self.accepted.sum() / max(self.row_forwards.sum(), 1))
+
+    @property
+    def row_tokens_per_forward(self) -> np.ndarray:
+        """float64 [R]: each row's accepted tokens per forward in which it was active."""
+        return self.accepted / np.maximum(self.row_forwards, 1)
+
+    def completions(self) -> list[list[int]]:
+        """Each row's completion as a list of token ids (EOS excluded)."""
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+    @classmethod
+    def concatenate(cls, outputs: Sequence["DecodeOutput"], rows: int | None = None):
+        """The outputs of several batches as one, row after row, keeping the first ``rows``
+        rows (default: all; drops filler rows)."""
+        cat = lambda f: np.concatenate([getattr(o, f) for o in outputs])[:rows]
+        fields = ("tokens", "lengths", "accepted", "row_forwards")
+        return cls(*map(cat, fields), forwards=sum(o.forwards for o in outputs))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, rows: int | None = None):
@@ -84,6 +103,53 @@ def _rowwise_update(x: jax.Array, update: jax.Array, start: jax.Array) -> jax.Ar
     )
 
 
+def _accepted(token, conf, threshold, eos, budget):
+    """How many of a step's B candidates each row accepts (Sec. 3.3).
+
+    token int32 [R, B] and conf float32 [R, B]: the candidates and their confidences; budget
+    int32 [R]: tokens left to each row. The first candidate is always accepted, later ones left
+    to right while conf >= threshold (none when threshold >= 1.0, one-token mode); acceptance
+    stops after an EOS and at the budget. Returns (count int32 [R] in 1..B where budget >= 1,
+    hit_eos bool [R]: an accepted candidate is an EOS).
+    """
+    ok = (conf >= threshold) & ~(threshold >= 1.0)
+    ok = ok.at[:, 0].set(True)
+    is_eos = jnp.isin(token, eos)
+    after_eos = jnp.cumsum(is_eos, axis=1) - is_eos > 0
+    count = jnp.minimum(jnp.cumprod(ok & ~after_eos, axis=1).sum(axis=1), budget)
+    hit_eos = jnp.any(is_eos & (jnp.arange(token.shape[1])[None] < count[:, None]), axis=1)
+    return count, hit_eos
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """The state carried by the decoding loop (`_generate`'s ``lax.while_loop``), for R rows
+    and S cache slots (positions; prompt + budget + room for one window).
+
+    cache: `KVCache`, per layer {"k", "v"} [R, S, K, H]; row r's slots below ``cache_cursor[r]``
+      hold the keys/values of its committed tokens (later slots are stale or empty).
+    tokens: int32 [R, S], each row's prompt then its accepted tokens (entries at or past
+      ``committed`` are stale).
+    committed: int32 [R], tokens committed so far (prompt + accepted): the position of the next
+      token to decode.
+    cache_cursor: int32 [R], first position whose key/value is not cached yet; the tokens
+      between it and ``committed`` (those accepted by the last step) start the next window.
+    new_tokens: int32 [R], tokens accepted so far (an EOS included).
+    done: bool [R], the row accepted an EOS or reached ``max_new_tokens``.
+    row_forwards: int32 [R], forwards in which the row was active.
+    forwards: int32 [], forwards of the batch.
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    committed: jax.Array
+    cache_cursor: jax.Array
+    new_tokens: jax.Array
+    done: jax.Array
+    row_forwards: jax.Array
+    forwards: jax.Array
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "block_size", "max_new_tokens", "eos_ids", "mask_id", "sampling"),
@@ -105,7 +171,7 @@ def _generate(
 ):
     model: Qwen2 = nnx.merge(graphdef, params)
     rows, prompt_len = prompt_ids.shape
-    b, window = block_size, 2 * block_size - 1
+    window = 2 * block_size - 1  # at most B uncached committed tokens, then B-1 masks
     slots = prompt_len + max_new_tokens + 2 * window
     slot_ids = jnp.arange(slots)
 
@@ -120,72 +186,68 @@ def _generate(
         jnp.zeros((rows,), jnp.int32),
     )
 
-    seq = jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids)
     eos = jnp.asarray(eos_ids, jnp.int32)
-    one_token_mode = threshold >= 1.0
 
-    def step(state):
-        cache, seq, committed, cached, new, done, row_forwards, forwards = state
-        # Window: uncached committed tokens, then masks; slot j sits at position cached + j.
-        pos = cached[:, None] + jnp.arange(window)
-        ids = jnp.where(pos < committed[:, None], _rowwise_slice(seq, cached, window), mask_id)
+    def step(s: DecodeState) -> DecodeState:
+        # Window: uncached committed tokens, then masks; slot j sits at position cache_cursor + j.
+        pos = s.cache_cursor[:, None] + jnp.arange(window)
+        ids = jnp.where(
+            pos < s.committed[:, None], _rowwise_slice(s.tokens, s.cache_cursor, window), mask_id
+        )
         mask = slot_ids[None, None, :] <= pos[:, :, None]
-        hidden, cache = model(ids, pos, mask, cache, cached)
+        hidden, cache = model(ids, pos, mask, s.cache, s.cache_cursor)
         # Outputs at positions committed-1 .. committed+B-2 predict tokens committed .. +B-1.
-        logits = model.logits(_rowwise_slice(hidden, committed - cached - 1, b))  # [R, B, V]
+        first = s.committed - s.cache_cursor - 1
+        logits = model.logits(_rowwise_slice(hidden, first, block_size))  # [R, B, V]
         if sampling:
             logits = logits / temperature
-            token = jax.random.categorical(jax.random.fold_in(rng, forwards), logits, axis=-1)
+            key = jax.random.fold_in(rng, s.forwards)
+            token = jax.random.categorical(key, logits, axis=-1)
         else:
             token = jnp.argmax(logits, axis=-1)
         token = token.astype(jnp.int32)
-        conf = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), token[..., None], axis=-1)[
-            ..., 0
-        ]
-        # Accept left to right: the first always, then while confident; stop after an EOS and at
-        # the token budget.
-        ok = (conf >= threshold) & ~one_token_mode
-        ok = ok.at[:, 0].set(True)
-        is_eos = jnp.isin(token, eos)
-        after_eos = jnp.cumsum(is_eos, axis=1) - is_eos > 0
-        run = jnp.cumprod(ok & ~after_eos, axis=1)
-        count = jnp.minimum(run.sum(axis=1), max_new_tokens - new)
-        hit_eos = jnp.any(is_eos & (jnp.arange(b)[None] < count[:, None]), axis=1)
-        active = ~done
+        probs = jax.nn.softmax(logits, axis=-1)
+        conf = jnp.take_along_axis(probs, token[..., None], axis=-1)[..., 0]
+        count, hit_eos = _accepted(token, conf, threshold, eos, max_new_tokens - s.new_tokens)
+        active = ~s.done
         count = jnp.where(active, count, 0)
-        seq = jnp.where(active[:, None], _rowwise_update(seq, token, committed), seq)
-        cached = jnp.where(active, committed, cached)
-        return (
-            cache,
-            seq,
-            committed + count,
-            cached,
-            new + count,
-            done | hit_eos | (new + count >= max_new_tokens),
-            row_forwards + active,
-            forwards + 1,
+        new_tokens = s.new_tokens + count
+        return DecodeState(
+            cache=cache,
+            tokens=jnp.where(
+                active[:, None], _rowwise_update(s.tokens, token, s.committed), s.tokens
+            ),
+            committed=s.committed + count,
+            cache_cursor=jnp.where(active, s.committed, s.cache_cursor),
+            new_tokens=new_tokens,
+            done=s.done | hit_eos | (new_tokens >= max_new_tokens),
+            row_forwards=s.row_forwards + active,
+            forwards=s.forwards + 1,
         )
 
-    state = (
-        cache,
-        seq,
-        prompt_lengths,
-        prompt_lengths - 1,
-        jnp.zeros((rows,), jnp.int32),
-        jnp.zeros((rows,), bool),
-        jnp.zeros((rows,), jnp.int32),
-        jnp.int32(0),
-    )
-    _, seq, committed, _, new, _, row_forwards, forwards = jax.lax.while_loop(
-        lambda s: ~jnp.all(s[5]), step, state
-    )
+    def cond(s: DecodeState) -> jax.Array:
+        # Every active row accepts >= 1 token per forward, so max_new_tokens forwards finish
+        # every row; the bound also ends the loop should a step ever accept nothing.
+        return ~jnp.all(s.done) & (s.forwards < max_new_tokens)
 
-    out = _rowwise_slice(seq, prompt_lengths, max_new_tokens)
-    within = jnp.arange(max_new_tokens)[None] < new[:, None]
+    init = DecodeState(
+        cache=cache,
+        tokens=jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids),
+        committed=prompt_lengths,
+        cache_cursor=prompt_lengths - 1,
+        new_tokens=jnp.zeros((rows,), jnp.int32),
+        done=jnp.zeros((rows,), bool),
+        row_forwards=jnp.zeros((rows,), jnp.int32),
+        forwards=jnp.int32(0),
+    )
+    s = jax.lax.while_loop(cond, step, init)
+
+    out = _rowwise_slice(s.tokens, prompt_lengths, max_new_tokens)
+    within = jnp.arange(max_new_tokens)[None] < s.new_tokens[:, None]
     is_eos = jnp.isin(out, eos) & within
-    lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), new)
+    lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
     out = jnp.where(jnp.arange(max_new_tokens)[None] < lengths[:, None], out, ENDOFTEXT_ID)
-    return out, lengths, new, row_forwards, forwards
+    return out, lengths, s.new_tokens, s.row_forwards, s.forwards
 
 
 def generate(
@@ -255,3 +317,27 @@ def generate(
     )
     tokens, lengths, accepted, row_forwards, forwards = jax.device_get(out)
     return DecodeOutput(tokens, lengths, accepted, row_forwards, int(forwards))
+
+
+def generate_batched(
+    model: Qwen2,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch_size: int,
+    pad_id: int = ENDOFTEXT_ID,
+    **kwargs,
+) -> DecodeOutput:
+    """Decodes any number of prompts (lists of token ids) in batches of ``batch_size`` rows.
+
+    Every batch has the same shape [batch_size, longest prompt] (the last one is filled with
+    one-token filler rows), so the decoder compiles once. ``kwargs`` go to `generate`
+    (block_size, threshold, max_new_tokens, ...). Returns one `DecodeOutput` with a row per
+    prompt, in order. Raises ValueError as `pad_prompts` and `generate`.
+    """
+    num_batches = -(-len(prompts) // batch_size)
+    ids, lengths = pad_prompts(prompts, pad_id, rows=num_batches * batch_size)
+    outputs = [
+        generate(model, ids[i : i + batch_size], lengths[i : i + batch_size], **kwargs)
+        for i in range(0, len(ids), batch_size)
+    ]
+    return DecodeOutput.concatenate(outputs, rows=len(prompts))

@@ -9,6 +9,8 @@ forward, generated tokens/s, mean completion length, and agreement with the thre
 (one-token, i.e. AR) output; once per checkpoint, the mean per-token negative log-likelihood
 of the reference answers under plain AR teacher forcing (paper Sec. 5 reports accuracy and
 tokens per forward). Everything is also written to ``workdir/eval.json``.
+
+From Python: ``evaluate.evaluate(config, workdir)`` with the run's ``ConfigDict``.
 """
 
 from __future__ import annotations
@@ -21,15 +23,10 @@ import types
 
 import jax
 import numpy as np
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
 
-from mars_jax import data, decode, workdir as wd
+from mars_jax import cli, data, decode, workdir as wd
 from mars_jax.objectives import ar_loss
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory to evaluate.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -74,7 +71,14 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
 
 
 def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
-    """Runs the evaluation described in the module docstring; returns the results dict."""
+    """Runs the evaluation described in the module docstring on checkpoint ``step`` (default:
+    the latest) of ``workdir``, with the ``data`` and ``eval`` sections of run config ``cfg``.
+
+    Prints the table, writes ``workdir/eval.json`` and returns the report: {workdir, step,
+    num_examples, block_size, ar_nll, results: [{threshold, accuracy, tokens_per_forward,
+    tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
+    workdir without checkpoints, ValueError when the evaluation source yields no examples.
+    """
     model, tok, step = wd.load_model(workdir, step=step)
     e = cfg.eval
     source, fmt, seed = data.eval_source(cfg)
@@ -87,49 +91,40 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     block_size = e.block_size or wd.trained_block_size(workdir)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
     references = [extract_answer(answer) for _, answer in examples]
-    n_batches = -(-len(prompts) // e.batch_size)
-    ids, lengths = decode.pad_prompts(prompts, tok.pad_id, rows=n_batches * e.batch_size)
 
     def run(threshold):
-        outs = []
-        for b in range(n_batches):
-            sl = slice(b * e.batch_size, (b + 1) * e.batch_size)
-            outs.append(
-                decode.generate(
-                    model,
-                    ids[sl],
-                    lengths[sl],
-                    block_size=block_size,
-                    threshold=threshold,
-                    max_new_tokens=e.max_new_tokens,
-                    temperature=e.temperature,
-                    seed=cfg.seed,
-                    mask_id=tok.mask_id,
-                )
-            )
-        cat = lambda f: np.concatenate([getattr(o, f) for o in outs])[: len(prompts)]
-        return cat("tokens"), cat("lengths"), cat("accepted"), cat("row_forwards")
+        return decode.generate_batched(
+            model,
+            prompts,
+            batch_size=e.batch_size,
+            pad_id=tok.pad_id,
+            block_size=block_size,
+            threshold=threshold,
+            max_new_tokens=e.max_new_tokens,
+            temperature=e.temperature,
+            seed=cfg.seed,
+            mask_id=tok.mask_id,
+        )
 
     # Compiles once (threshold is a traced argument) and gives the one-token (AR) reference.
     logging.info("compiling the decoder and decoding the threshold-1.0 reference")
-    tokens, lens, _, _ = run(1.0)
-    reference_outputs = [tokens[i, : lens[i]].tolist() for i in range(len(prompts))]
+    reference_outputs = run(1.0).completions()
     results = []
     for threshold in e.thresholds:
         logging.info("decoding %d prompts at threshold %.2f", len(prompts), threshold)
         start = time.perf_counter()
-        tokens, lens, accepted, row_forwards = run(threshold)
+        out = run(threshold)
         seconds = time.perf_counter() - start
-        outputs = [tokens[i, : lens[i]].tolist() for i in range(len(prompts))]
+        outputs = out.completions()
         texts = [tok.decode(o) for o in outputs]
         correct = [r is not None and extract_answer(t) == r for t, r in zip(texts, references)]
         results.append(
             {
                 "threshold": float(threshold),
                 "accuracy": float(np.mean(correct)),
-                "tokens_per_forward": float(accepted.sum() / max(row_forwards.sum(), 1)),
-                "tokens_per_s": float(accepted.sum() / seconds),
-                "mean_length": float(np.mean(lens)),
+                "tokens_per_forward": out.tokens_per_forward,
+                "tokens_per_s": float(out.accepted.sum() / seconds),
+                "mean_length": float(np.mean(out.lengths)),
                 "agreement_with_ar": float(
                     np.mean([o == r for o, r in zip(outputs, reference_outputs)])
                 ),
@@ -178,12 +173,18 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    del argv
-    wd.quiet_library_logs()
-    logging.info("evaluating %s", _WORKDIR.value)
-    evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value)
+def main() -> None:
+    """``python -m mars_jax.evaluate --config=CONFIG --workdir=DIR [--step=N]``."""
+    config = cli.config_flag()
+    workdir = cli.workdir_flag("Run directory to evaluate.")
+    step = cli.step_flag()
+
+    def run():
+        logging.info("evaluating %s", workdir.value)
+        evaluate(config.value, workdir.value, step.value)
+
+    cli.run(run)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

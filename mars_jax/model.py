@@ -12,7 +12,12 @@ final RMSNorm; LM head tied to the embedding or separate.
 Precision: parameters are stored in ``param_dtype`` and matmuls run in ``dtype``; attention
 scores and softmax (``jax.nn.dot_product_attention``), RMSNorm and the rotary tables are fp32.
 
-Shape notation: B batch, T query length, S key length (cache slots), D hidden size,
+Sharding: every parameter carries the logical names of its axes as flax partitioning metadata
+(``nnx.with_partitioning``; vocab, embed, heads, kv_heads, mlp, norm), which `mars_jax.sharding`
+maps to mesh axes. `abstract_model` is the shape-only model that all loading and placement
+starts from.
+
+Shape notation: R rows (batch), T query length, S key length (cache slots), D hidden size,
 N query heads, K kv heads, H head dim, V embedding rows.
 """
 
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-KVCache = list[dict[str, jax.Array]]  # per layer {"k": [B, S, K, H], "v": [B, S, K, H]}
+KVCache = list[dict[str, jax.Array]]  # per layer {"k": [R, S, K, H], "v": [R, S, K, H]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +62,11 @@ class ModelConfig:
             )
 
 
-def _init(stddev: float, names: tuple[str | None, ...]):
-    """Normal(0, stddev) initializer carrying logical axis names for `mars_jax.sharding`."""
-    return nnx.with_metadata(nnx.initializers.normal(stddev), logical_axes=names)
+def _partitioned(init, names: tuple[str | None, ...]):
+    """``init`` with flax partitioning metadata: the logical axis names of the parameter
+    (``out_sharding``, read by ``nnx.get_partition_spec``; `mars_jax.sharding` maps them to mesh
+    axes). Parameters are created unsharded; placement is left to the caller's ``jit``."""
+    return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -68,7 +75,9 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, cfg: ModelConfig):
         self.eps = eps
         self.dtype = jnp.dtype(cfg.dtype)
-        self.weight = nnx.Param(jnp.ones((dim,), cfg.param_dtype), logical_axes=("norm",))
+        self.weight = nnx.Param(
+            jnp.ones((dim,), cfg.param_dtype), out_sharding=("norm",), eager_sharding=False
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -77,7 +86,7 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables, fp32 [B, T, H], for integer ``positions`` [B, T] (rotate-half layout)."""
+    """cos/sin tables, fp32 [R, T, H], for integer ``positions`` [R, T] (rotate-half layout)."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -85,7 +94,7 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates ``x`` [B, T, heads, H] by the tables [B, T, H]; fp32 inside, ``x.dtype`` out."""
+    """Rotates ``x`` [R, T, heads, H] by the tables [R, T, H]; fp32 inside, ``x.dtype`` out."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -99,8 +108,8 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, names, bias: bool, rngs: nn
         use_bias=bias,
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=cfg.param_dtype,
-        kernel_init=_init(0.02, names),
-        bias_init=nnx.with_metadata(nnx.initializers.zeros_init(), logical_axes=names[1:]),
+        kernel_init=_partitioned(nnx.initializers.normal(0.02), names),
+        bias_init=_partitioned(nnx.initializers.zeros_init(), names[1:]),
         rngs=rngs,
     )
 
@@ -117,17 +126,17 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg, n * h, d, ("heads", "embed"), False, rngs)
 
     def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-        """x [B, T, D]; mask bool broadcastable to [B, T, S]; cache {"k","v"} [B, S, K, H].
+        """x [R, T, D]; mask bool broadcastable to [R, T, S]; cache {"k","v"} [R, S, K, H].
 
-        With a cache, the new keys/values of row b are written at slots
-        ``cache_index[b] .. cache_index[b] + T - 1`` before attending, and the mask indexes slots.
-        Returns (output [B, T, D], updated cache or None).
+        With a cache, the new keys/values of row r are written at slots
+        ``cache_index[r] .. cache_index[r] + T - 1`` before attending, and the mask indexes slots.
+        Returns (output [R, T, D], updated cache or None).
         """
-        b, t, _ = x.shape
+        r, t, _ = x.shape
         cfg = self.cfg
-        q = apply_rope(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(self.q_proj(x).reshape(r, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = self.v_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim)
         if cache is not None:
             write = jax.vmap(
                 lambda c, new, i: jax.lax.dynamic_update_slice_in_dim(c, new, i, axis=0)
@@ -135,9 +144,9 @@ class Attention(nnx.Module):
             k = write(cache["k"], k.astype(cache["k"].dtype), cache_index)
             v = write(cache["v"], v.astype(cache["v"].dtype), cache_index)
             cache = {"k": k, "v": v}
-        mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None]
+        mask = jnp.broadcast_to(mask, (r, t, k.shape[1]))[:, None]
         out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask)
-        return self.o_proj(out.reshape(b, t, -1)), cache
+        return self.o_proj(out.reshape(r, t, -1)), cache
 
 
 class MLP(nnx.Module):
@@ -182,7 +191,7 @@ class Qwen2(nnx.Module):
             cfg.hidden_size,
             dtype=jnp.dtype(cfg.dtype),
             param_dtype=cfg.param_dtype,
-            embedding_init=_init(0.02, ("vocab", "embed")),
+            embedding_init=_partitioned(nnx.initializers.normal(0.02), ("vocab", "embed")),
             rngs=rngs,
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
@@ -204,15 +213,15 @@ class Qwen2(nnx.Module):
         """Runs the decoder.
 
         Args:
-          input_ids: int32 [B, T] token ids (< vocab_size).
-          positions: int32 [B, T] rotary position ids (any values; the MARS layout repeats 0..L-1).
-          mask: bool, broadcastable to [B, T, S]; True where query t may attend to key s. Without a
+          input_ids: int32 [R, T] token ids (< vocab_size).
+          positions: int32 [R, T] rotary position ids (any values; the MARS layout repeats 0..L-1).
+          mask: bool, broadcastable to [R, T, S]; True where query t may attend to key s. Without a
             cache S = T (keys are the inputs); with one, S is the number of cache slots.
           cache: optional KV cache from `init_cache`; new keys/values are written before attending.
-          cache_index: int32 [B], first slot written for each row (required with a cache).
+          cache_index: int32 [R], first slot written for each row (required with a cache).
 
         Returns:
-          (hidden states [B, T, D] after the final norm, in ``dtype``; updated cache or None).
+          (hidden states [R, T, D] after the final norm, in ``dtype``; updated cache or None).
         """
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(input_ids)
@@ -234,8 +243,15 @@ class Qwen2(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
 
+def abstract_model(cfg: ModelConfig) -> Qwen2:
+    """The shape-only `Qwen2` of ``cfg``: every parameter a ``jax.ShapeDtypeStruct`` carrying its
+    partitioning metadata; nothing is allocated. Split it with ``nnx.split`` for the graphdef
+    and the abstract parameter State."""
+    return nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+
+
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> KVCache:
-    """Zeroed KV cache: per layer {"k", "v"} of shape [batch, slots, K, H] in the compute dtype."""
+    """Zeroed KV cache: per layer {"k", "v"} of shape [batch, slots, K, H] ([R, S, K, H]) in the compute dtype."""
     shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
     return [

@@ -41,7 +41,7 @@ def mars_attention_mask(length: int, block_size: int) -> jax.Array:
 
 
 def mars_inputs(input_ids: jax.Array, labels: jax.Array, mask_id: int):
-    """``[noisy | clean]`` ids and position ids, both int32 [B, 2L], from ids/labels [B, L]."""
+    """``[noisy | clean]`` ids and position ids, both int32 [R, 2L], from ids/labels [R, L]."""
     noisy = jnp.where(labels != IGNORE_INDEX, mask_id, input_ids)
     positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
     return (
@@ -53,9 +53,9 @@ def mars_inputs(input_ids: jax.Array, labels: jax.Array, mask_id: int):
 def target_positions(labels: jax.Array, max_label_tokens: int | None):
     """Where the loss is: output positions whose next token is labelled.
 
-    Returns (positions int32 [B, K], targets int32 [B, K], valid bool [B, K]) with
-    K = ``max_label_tokens`` or L, in sequence order. The caller guarantees that no row has more
-    than K labelled tokens (`mars_jax.data` checks this when it builds examples).
+    Returns (positions int32 [R, M], targets int32 [R, M], valid bool [R, M]) with
+    M = ``max_label_tokens`` or L, in sequence order. The caller guarantees that no row has more
+    than M labelled tokens (`mars_jax.data` checks this when it builds examples).
     """
     shifted = jnp.concatenate([labels[:, 1:], jnp.full_like(labels[:, :1], IGNORE_INDEX)], axis=1)
     valid = shifted != IGNORE_INDEX
@@ -66,7 +66,7 @@ def target_positions(labels: jax.Array, max_label_tokens: int | None):
 
 
 def loss_denominator(labels: jax.Array, normalization: str) -> jax.Array:
-    """What `cross_entropy` divides by for ``labels`` [B, L]: the number of labelled targets
+    """What `cross_entropy` divides by for ``labels`` [R, L]: the number of labelled targets
     ("token") or of rows with any ("sequence"); int32 scalar. Weighting micro-batch losses by
     their denominators reproduces the loss of the whole batch."""
     per_row = (labels[:, 1:] != IGNORE_INDEX).sum(axis=1)
@@ -74,7 +74,7 @@ def loss_denominator(labels: jax.Array, normalization: str) -> jax.Array:
 
 
 def cross_entropy(model: Qwen2, hidden: jax.Array, positions, targets, valid, normalization: str):
-    """Mean CE of ``targets`` given hidden states [B, T, D] gathered at ``positions`` [B, K].
+    """Mean CE of ``targets`` given hidden states [R, T, D] gathered at ``positions`` [R, M].
 
     ``normalization``: "sequence" (mean over each row's tokens, then over rows that have any) or
     "token" (mean over all valid tokens). Returns an fp32 scalar.
@@ -97,7 +97,7 @@ def cross_entropy(model: Qwen2, hidden: jax.Array, positions, targets, valid, no
 
 
 def ar_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-    """Next-token SFT loss on the labelled tokens of ``batch`` ({input_ids, labels} int32 [B, L]).
+    """Next-token SFT loss on the labelled tokens of ``batch`` ({input_ids, labels} int32 [R, L]).
 
     Returns (loss, metrics) with metrics {loss, clean_loss, label_tokens}.
     """

@@ -1,31 +1,59 @@
 """Device mesh and logical-axis sharding rules (in the style of MaxText's logical_axis_rules).
 
-Model parameters carry logical axis names (``logical_axes`` metadata: vocab, embed, heads,
-kv_heads, mlp, norm); a rules table maps each name to mesh axes of the ``(data, fsdp, tensor)``
-mesh. Batches are split over ``data`` and ``fsdp``.
+Model parameters carry logical axis names in flax's own partitioning metadata
+(``nnx.with_partitioning``: the ``out_sharding`` of each ``nnx.Param``), so
+``nnx.get_partition_spec`` reads them like any flax model. A rules table maps each logical name
+(vocab, embed, heads, kv_heads, mlp, norm, and batch for activations) to axes of the
+``(data, fsdp, tensor)`` mesh. The table lives in the run config (``mesh.rules``; the default is
+`DEFAULT_RULES`) and is passed to every function that places arrays.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mars_jax.model import ModelConfig, abstract_model
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# logical axis -> mesh axis (or axes, or None = replicated)
-DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("norm", None),
-)
+# logical axis -> mesh axes (empty: replicated). The form of config's ``mesh.rules``; overrides
+# from the command line are tuples, e.g. --config.mesh.rules.embed="('fsdp','tensor')".
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "norm": (),
+}
+
+# The rules as flax takes them: ((logical name, mesh axis | tuple of axes | None), ...).
+Rules = tuple[tuple[str, Any], ...]
+
+
+def logical_rules(table: Mapping[str, Sequence[str]] = DEFAULT_RULES) -> Rules:
+    """Converts a rules table (logical name -> mesh axes, as in config ``mesh.rules``) into the
+    ``(name, axes)`` pairs that ``nnx.logical_axis_rules`` takes.
+
+    Raises ValueError for a mesh axis that is not one of `MESH_AXES`, or a mesh axis that two
+    dimensions of one array could both take (an axis used twice within one rule).
+    """
+    pairs = []
+    for name, axes in dict(table).items():
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in axes if a not in MESH_AXES]
+        if unknown or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"mesh.rules.{name}: {axes!r} must name distinct mesh axes among {MESH_AXES}"
+            )
+        pairs.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(pairs)
 
 
 def make_mesh(
@@ -49,41 +77,98 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
-def logical_spec(names: Sequence[str | None], rules=DEFAULT_RULES) -> P:
-    """PartitionSpec for a tuple of logical axis names under ``rules``."""
+def mesh_from_config(mesh_cfg) -> tuple[Mesh, Rules]:
+    """(Mesh, rules) of a config's ``mesh`` section (data, fsdp, tensor, rules).
+
+    Raises ValueError as `make_mesh` and `logical_rules`.
+    """
+    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    return mesh, logical_rules(mesh_cfg.rules)
+
+
+def logical_spec(names: Sequence[str | None], rules: Rules) -> P:
+    """PartitionSpec for a tuple of logical axis names under ``rules``; a name without a rule
+    is replicated."""
     table = dict(rules)
     return P(*(table.get(n) if n is not None else None for n in names))
 
 
-def _check_divisible(path: str, shape, spec: P, mesh: Mesh):
-    for dim, axes in zip(shape, spec):
-        if axes is None:
-            continue
-        size = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
-        if dim % size:
+def axis_size(mesh: Mesh, axes) -> int:
+    """Number of devices along ``axes`` (None, one mesh axis name or a tuple of them)."""
+    if axes is None:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
+
+
+def check_heads(num_heads: int, num_kv_heads: int, mesh: Mesh, rules: Rules) -> None:
+    """Raises ValueError when the mesh axes of the "heads" or "kv_heads" rule do not divide the
+    number of attention heads and of KV heads: the projections are stored flattened
+    ([D, heads * head_dim]), so a width check alone would let a shard split inside a head."""
+    table = dict(rules)
+    for name, count in (("heads", num_heads), ("kv_heads", num_kv_heads)):
+        size = axis_size(mesh, table.get(name))
+        if count % size:
             raise ValueError(
-                f"parameter {path}: dimension {dim} is not divisible by mesh axes "
-                f"{axes} of size {size}; change the mesh or the sharding rules"
+                f"mesh axes {table.get(name)!r} of size {size} (rule {name!r}) split attention "
+                f"heads: num_heads {num_heads} and num_kv_heads {num_kv_heads} must both be "
+                f"divisible by it; choose another tensor size or rule"
             )
 
 
-def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
-    """NamedShardings for a parameter State (abstract or concrete), same tree structure.
+def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
+    """NamedShardings for a parameter State (abstract or concrete), same tree structure, read
+    from the parameters' flax partitioning metadata (``nnx.get_partition_spec``) under
+    ``rules``.
 
     Raises ValueError for a parameter whose dimension is not divisible by its mesh axes.
     """
+    with nnx.logical_axis_rules(_with_unnamed_replicated(state, rules)):
+        specs = nnx.get_partition_spec(state)
 
-    def one(path, var):
-        names = var.get_metadata().get("logical_axes") or (None,) * var.ndim
-        spec = logical_spec(names, rules)
-        _check_divisible(jax.tree_util.keystr(path), var.shape, spec, mesh)
+    def one(path, var, spec):
+        spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+        for dim, axes in zip(var.shape, spec):
+            if dim % axis_size(mesh, axes):
+                raise ValueError(
+                    f"parameter {jax.tree_util.keystr(path)}: dimension {dim} is not divisible "
+                    f"by mesh axes {axes} of size {axis_size(mesh, axes)}; change the mesh or "
+                    "the sharding rules"
+                )
         return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(
-        one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
 
 
-def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
+def _with_unnamed_replicated(state: nnx.State, rules: Rules) -> Rules:
+    """``rules`` plus (name, None) for logical names the parameters use but the rules omit
+    (flax would otherwise pass such a name through as a mesh axis)."""
+    names = {
+        n
+        for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        for n in (v.get_metadata().get("out_sharding") or ())
+        if n is not None
+    }
+    known = dict(rules)
+    return tuple(rules) + tuple((n, None) for n in sorted(names - known.keys()))
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh, rules: Rules):
+    """(graphdef, abstract parameter State) of the `Qwen2` of ``cfg`` placed on ``mesh``: each
+    leaf a ``jax.ShapeDtypeStruct`` with its NamedSharding under ``rules``; nothing allocated.
+
+    Raises ValueError as `check_heads` and `param_shardings`.
+    """
+    check_heads(cfg.num_heads, cfg.num_kv_heads, mesh, rules)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    shardings = param_shardings(state, mesh, rules)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+    return graphdef, abstract
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Sharding of a [batch, length] array: rows split over the "batch" rule's mesh axes."""
     return NamedSharding(mesh, logical_spec(("batch", None), rules))

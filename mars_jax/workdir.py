@@ -1,25 +1,27 @@
-"""A run's working directory: Orbax checkpoints plus what is needed to rebuild the model.
+"""A run's working directory: its files and every Orbax checkpoint item.
 
 Layout of ``workdir``:
   config.json       the run config (ml_collections ConfigDict as JSON)
   model.json        the `ModelConfig` of the checkpoints
   tokenizer/        the tokenizer files (transformers-loadable, with <|mask|>)
-  checkpoints/<step>/{params, opt_state}   Orbax checkpoints (atomic, written asynchronously)
-  metrics.jsonl     one JSON object per logged training step
-Parameters are saved as nested dicts of arrays (``nnx.to_pure_dict``), readable without
-this package.
+  checkpoints/<step>/{params, opt_state, data}   Orbax checkpoints (atomic, written
+                    asynchronously): parameters as nested dicts of arrays (``nnx.to_pure_dict``,
+                    readable without this package), the optax state, and the data position
+  metrics.jsonl     one JSON object per logged training step (`mars_jax.metrics`)
+  eval.json         the last evaluation (`mars_jax.evaluate`)
+
+`Checkpoints` is the only code that names the Orbax items.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
-from absl import logging as absl_logging
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -27,17 +29,21 @@ from mars_jax import sharding
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
+# The Orbax items of a checkpoint step.
+_PARAMS, _OPT_STATE, _DATA = "params", "opt_state", "data"
 
-def quiet_library_logs() -> None:
-    """Keeps INFO records of mars-jax only in absl's log handler (Orbax logs several per save,
-    JAX reports absent TPU runtimes); warnings and errors of every library stay."""
 
-    package = os.path.dirname(os.path.abspath(__file__))
+class TrainState(NamedTuple):
+    """What a checkpoint step holds.
 
-    def keep(record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or record.pathname.startswith(package)
+    params: parameter State (leaves as in ``sharding.abstract_params``).
+    opt_state: the optax state of ``train_step.optimizer``.
+    data_position: int, index of the next training batch (``data.batched_dataset`` element).
+    """
 
-    absl_logging.get_absl_handler().addFilter(keep)
+    params: nnx.State
+    opt_state: Any
+    data_position: int
 
 
 def is_workdir(path: str) -> bool:
@@ -69,15 +75,20 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def read_run_config(workdir: str) -> dict:
+    """``workdir/config.json`` as a dict. Raises FileNotFoundError if it is missing."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir} holds no run config")
+    with open(path) as f:
+        return json.load(f)
+
+
 def check_same_run(workdir: str, run_config_json: str) -> None:
     """Before resuming: raises ValueError if ``workdir/config.json`` differs from the new run
     config in any key but logging/saving cadence (a different batch size, schedule, objective,
     model or data would silently mix two runs). The message lists the differing keys."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} has checkpoints but no run config")
-    with open(path) as f:
-        saved = _flatten(json.load(f))
+    saved = _flatten(read_run_config(workdir))
     new = _flatten(json.loads(run_config_json))
     diff = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
@@ -93,8 +104,12 @@ def check_same_run(workdir: str, run_config_json: str) -> None:
 
 def trained_block_size(workdir: str) -> int:
     """The ``objective.block_size`` the run in ``workdir`` was trained with."""
-    with open(os.path.join(workdir, "config.json")) as f:
-        return int(json.load(f)["objective"]["block_size"])
+    return int(read_run_config(workdir)["objective"]["block_size"])
+
+
+def sharding_rules(workdir: str) -> sharding.Rules:
+    """The logical-axis rules of the run in ``workdir`` (its ``mesh.rules``)."""
+    return sharding.logical_rules(read_run_config(workdir)["mesh"]["rules"])
 
 
 def read_model_config(workdir: str, **overrides) -> ModelConfig:
@@ -106,50 +121,106 @@ def read_model_config(workdir: str, **overrides) -> ModelConfig:
         return dataclasses.replace(ModelConfig(**json.load(f)), **overrides)
 
 
-def checkpoint_manager(workdir: str, *, max_to_keep: int | None = None):
-    """Orbax CheckpointManager over ``workdir/checkpoints`` (items ``params`` and ``opt_state``);
-    the caller decides when to save."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-    return ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), "checkpoints"), options=options
-    )
+class Checkpoints:
+    """The Orbax checkpoints of a run, ``workdir/checkpoints/<step>``; usable as a context
+    manager (closing waits for asynchronous saves).
 
-
-def abstract_params(cfg: ModelConfig, mesh: Mesh, rules=sharding.DEFAULT_RULES):
-    """(graphdef, abstract parameter State with shardings) of a `Qwen2` on ``mesh``."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
-    shardings = sharding.param_shardings(state, mesh, rules)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
-    return graphdef, abstract
-
-
-def restore_params(manager: ocp.CheckpointManager, abstract: nnx.State, step: int | None = None):
-    """Restores the ``params`` item of checkpoint ``step`` (default: latest) into ``abstract``'s
-    structure and shardings. Returns (State, step). Raises FileNotFoundError without checkpoints.
+    Each step holds the items of a `TrainState`. Saves are asynchronous and atomic: a step
+    appears only once all of its items are written.
     """
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-    target = nnx.to_pure_dict(abstract)
-    restored = manager.restore(
-        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))
-    ).params
-    state = jax.tree.map(lambda x: x, abstract)  # a copy to fill
-    nnx.replace_by_pure_dict(state, restored)
-    return state, step
+
+    def __init__(self, workdir: str, *, max_to_keep: int | None = None):
+        self.workdir = workdir
+        self._manager = ocp.CheckpointManager(
+            os.path.join(os.path.abspath(workdir), "checkpoints"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest saved step, or None."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Starts writing ``state`` as checkpoint ``step`` (returns before the write ends)."""
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    _PARAMS: ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
+                    _OPT_STATE: ocp.args.StandardSave(state.opt_state),
+                    _DATA: ocp.args.JsonSave({"next_batch": int(state.data_position)}),
+                }
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int, abstract: TrainState) -> TrainState:
+        """Checkpoint ``step`` restored into the structure and shardings of ``abstract`` (its
+        params and opt_state are trees of ``jax.ShapeDtypeStruct``; its data_position is
+        ignored)."""
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    _PARAMS: ocp.args.StandardRestore(nnx.to_pure_dict(abstract.params)),
+                    _OPT_STATE: ocp.args.StandardRestore(abstract.opt_state),
+                    _DATA: ocp.args.JsonRestore(),
+                }
+            ),
+        )
+        return TrainState(
+            _fill(abstract.params, restored[_PARAMS]),
+            restored[_OPT_STATE],
+            int(restored[_DATA]["next_batch"]),
+        )
+
+    def restore_params(self, abstract: nnx.State, step: int | None = None):
+        """The parameters of checkpoint ``step`` (default: the latest) in ``abstract``'s
+        structure and shardings. Returns (State, step). Raises FileNotFoundError without
+        checkpoints."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+        target = nnx.to_pure_dict(abstract)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(target)})
+        )
+        return _fill(abstract, restored[_PARAMS]), step
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager."""
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fill(abstract: nnx.State, pure: dict) -> nnx.State:
+    """A copy of ``abstract`` with the arrays of the pure dict ``pure``."""
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
 
 
 def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = None, **overrides):
     """Rebuilds the trained model of ``workdir``: returns (Qwen2, Tokenizer, step).
 
     ``overrides`` replace `ModelConfig` fields (e.g. ``dtype="bfloat16"``); ``mesh`` defaults to
-    all devices on the data axis (parameters replicated or sharded by the default rules).
+    all devices on the data axis; parameters are placed by the run's ``mesh.rules``.
+    Raises FileNotFoundError for a directory that is not a run or has no checkpoint.
     """
     cfg = read_model_config(workdir, **overrides)
-    graphdef, abstract = abstract_params(cfg, mesh or sharding.make_mesh())
-    with checkpoint_manager(workdir) as manager:
-        params, step = restore_params(manager, abstract, step)
+    graphdef, abstract = sharding.abstract_params(
+        cfg, mesh or sharding.make_mesh(), sharding_rules(workdir)
+    )
+    with Checkpoints(workdir) as checkpoints:
+        params, step = checkpoints.restore_params(abstract, step)
     tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
     return nnx.merge(graphdef, params), tok, step

@@ -396,3 +396,50 @@ def test_pad_prompts():
     assert ids.dtype == lengths.dtype == np.int32
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         decode.pad_prompts([[1], []], pad_id=0)
+
+
+def test_generate_batched_equals_each_batch(mid):
+    """Batches of 2 (the last one filled with a filler row) give each prompt the tokens and
+    counts of decoding its own batch, in order; the summary counts are computed once."""
+    _, _, prompts = make_batch([3, 9, 6, 4, 7], seed=7)
+    kw = dict(block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    out = decode.generate_batched(mid, prompts, batch_size=2, pad_id=ENDOFTEXT_ID, **kw)
+    assert out.tokens.shape == (5, MAX_NEW)
+    width = max(map(len, prompts))
+    parts = []
+    for i in range(0, 5, 2):
+        ids, lengths = decode.pad_prompts(prompts[i : i + 2], ENDOFTEXT_ID, rows=2)
+        ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=ENDOFTEXT_ID)
+        parts.append(decode.generate(mid, ids, lengths, **kw))
+    expected = decode.DecodeOutput.concatenate(parts, rows=5)
+    for field in ("tokens", "lengths", "accepted", "row_forwards"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(expected, field), err_msg=field)
+    assert out.forwards == sum(p.forwards for p in parts)
+    assert out.completions() == [
+        expected.tokens[i, : expected.lengths[i]].tolist() for i in range(5)
+    ]
+    assert out.tokens_per_forward == pytest.approx(out.accepted.sum() / out.row_forwards.sum())
+    assert out.tokens_per_forward > 1.0  # the confident model accepts several tokens per step
+    np.testing.assert_allclose(out.row_tokens_per_forward, out.accepted / out.row_forwards)
+
+
+def test_loop_ends_even_if_a_step_accepts_nothing(mid, monkeypatch):
+    """The loop condition bounds the forwards at max_new_tokens: a step that accepts no token
+    (a bug) ends the decode instead of spinning forever."""
+    ids, lengths, _ = make_batch([3, 9], seed=8)
+    real = decode._accepted
+
+    def accept_nothing(token, conf, threshold, eos, budget):
+        count, hit_eos = real(token, conf, threshold, eos, budget)
+        return jnp.zeros_like(count), jnp.zeros_like(hit_eos)
+
+    decode._generate.clear_cache()
+    monkeypatch.setattr(decode, "_accepted", accept_nothing)
+    try:
+        out = decode.generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=5)
+    finally:
+        monkeypatch.undo()
+        decode._generate.clear_cache()  # no later test may reuse the patched trace
+    assert out.forwards == 5
+    np.testing.assert_array_equal(out.accepted, 0)
+    np.testing.assert_array_equal(out.row_forwards, 5)

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY, hf_logits, save_hf
-from mars_jax import checkpoint
+from mars_jax import huggingface
 from mars_jax.model import ModelConfig, RMSNorm, causal_mask, init_cache, rope_tables
 
 
@@ -75,8 +75,8 @@ def ckpt(request, tied_ckpt, untied_ckpt):
 
 
 def test_config_from_saved_checkpoint(tied_ckpt, untied_ckpt):
-    tied = checkpoint.load_hf(str(tied_ckpt[0])).cfg
-    untied = checkpoint.load_hf(str(untied_ckpt[0])).cfg
+    tied = huggingface.load_hf(str(tied_ckpt[0])).cfg
+    untied = huggingface.load_hf(str(untied_ckpt[0])).cfg
     assert tied.tie_word_embeddings and not untied.tie_word_embeddings
     assert (tied.num_heads, tied.num_kv_heads, tied.head_dim) == (4, 2, 8)
     assert (untied.head_dim, untied.num_layers) == (12, 3)
@@ -85,7 +85,7 @@ def test_config_from_saved_checkpoint(tied_ckpt, untied_ckpt):
 
 def test_logits_match_transformers_right_padded(ckpt):
     path, hf = ckpt
-    model = checkpoint.load_hf(str(path))
+    model = huggingface.load_hf(str(path))
     lengths = [12, 9, 4]
     ids, valid = right_padded_batch(TINY["vocab_size"], lengths, 12, seed=1)
     ours = our_logits(model, ids, valid)
@@ -100,7 +100,7 @@ def test_logits_match_transformers_right_padded(ckpt):
 
 def test_logits_match_transformers_with_position_offsets(ckpt):
     path, hf = ckpt
-    model = checkpoint.load_hf(str(path))
+    model = huggingface.load_hf(str(path))
     lengths = [12, 12, 6]
     ids, valid = right_padded_batch(TINY["vocab_size"], lengths, 12, seed=2)
     # Per-row offsets; row 1 also jumps by 20 half-way, row 2 repeats positions (as MARS does).
@@ -120,12 +120,12 @@ def test_logits_match_transformers_with_position_offsets(ckpt):
 
 def test_export_roundtrip_through_transformers(ckpt, tmp_path):
     path, hf = ckpt
-    model = checkpoint.load_hf(str(path))
+    model = huggingface.load_hf(str(path))
     ids, valid = right_padded_batch(TINY["vocab_size"], [12, 7, 10], 12, seed=3)
     ref = hf_logits(hf, ids, attention_mask=valid.astype(np.int64))
     for name, shard_bytes in [("single", 4 << 30), ("sharded", 16 << 10)]:
         out = tmp_path / name
-        checkpoint.export_hf(model, str(out), max_shard_bytes=shard_bytes)
+        huggingface.export_hf(model, str(out), max_shard_bytes=shard_bytes)
         sharded = (out / "model.safetensors.index.json").exists()
         assert sharded == (name == "sharded")
         if sharded:
@@ -139,7 +139,7 @@ def test_export_roundtrip_through_transformers(ckpt, tmp_path):
         got = hf_logits(reloaded, ids, attention_mask=valid.astype(np.int64))
         np.testing.assert_allclose(got[valid], ref[valid], rtol=0, atol=1e-5)
         # ... and our loader reads our own export back to identical parameters.
-        again = checkpoint.load_hf(str(out))
+        again = huggingface.load_hf(str(out))
         for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -151,8 +151,8 @@ def test_sharded_hf_checkpoint_loads_identically(tied_ckpt, tmp_path):
     assert (sharded / "model.safetensors.index.json").exists()
     assert not (sharded / "model.safetensors").exists()
     assert len(list(sharded.glob("*.safetensors"))) > 1
-    a = nnx.state(checkpoint.load_hf(str(path)), nnx.Param)
-    b = nnx.state(checkpoint.load_hf(str(sharded)), nnx.Param)
+    a = nnx.state(huggingface.load_hf(str(path)), nnx.Param)
+    b = nnx.state(huggingface.load_hf(str(sharded)), nnx.Param)
     la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
     assert [p for p, _ in la] == [p for p, _ in lb]
     for (_, x), (_, y) in zip(la, lb):
@@ -172,7 +172,7 @@ def test_unused_tensor_is_an_error(tied_ckpt, tmp_path):
 
     edit_tensors(path, add)
     with pytest.raises(ValueError, match=r"not used.*rotary_emb\.inv_freq"):
-        checkpoint.load_hf(str(path))
+        huggingface.load_hf(str(path))
 
 
 def test_untied_config_without_lm_head_is_an_error(tied_ckpt, tmp_path):
@@ -180,21 +180,21 @@ def test_untied_config_without_lm_head_is_an_error(tied_ckpt, tmp_path):
     path = copy_ckpt(tied_ckpt[0], tmp_path / "untied_cfg")
     edit_config(path, tie_word_embeddings=False)
     with pytest.raises(ValueError, match=r"missing tensor 'lm_head\.weight'"):
-        checkpoint.load_hf(str(path))
+        huggingface.load_hf(str(path))
 
 
 def test_dropped_bias_is_an_error(tied_ckpt, tmp_path):
     path = copy_ckpt(tied_ckpt[0], tmp_path / "no_bias")
     edit_tensors(path, lambda t: t.pop("model.layers.0.self_attn.k_proj.bias"))
     with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
-        checkpoint.load_hf(str(path))
+        huggingface.load_hf(str(path))
 
 
 def test_shape_mismatch_is_an_error(tied_ckpt, tmp_path):
     path = copy_ckpt(tied_ckpt[0], tmp_path / "shape")
     edit_config(path, intermediate_size=48)  # the checkpoint's MLP is 64 wide
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight' has shape"):
-        checkpoint.load_hf(str(path))
+        huggingface.load_hf(str(path))
 
 
 @pytest.mark.parametrize(
@@ -223,7 +223,7 @@ def test_unsupported_configs_are_errors(tied_ckpt, tmp_path, changes, field):
     path = copy_ckpt(tied_ckpt[0], tmp_path / "cfg")
     edit_config(path, **changes)
     with pytest.raises(ValueError, match=field):
-        checkpoint.load_hf(str(path))
+        huggingface.load_hf(str(path))
 
 
 def test_old_style_rope_theta_is_read():
@@ -242,7 +242,7 @@ def test_old_style_rope_theta_is_read():
         "tie_word_embeddings": True,
         "rms_norm_eps": 1e-6,
     }
-    cfg = checkpoint.config_from_hf(hf)
+    cfg = huggingface.config_from_hf(hf)
     assert (cfg.rope_theta, cfg.head_dim, cfg.num_kv_heads) == (1e6, 64, 2)
     assert cfg.vocab_size == 151936
 
@@ -252,12 +252,12 @@ def test_embedding_rows_come_from_config_vocab_size(tmp_path):
     small = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                  num_attention_heads=2, num_key_value_heads=1)
     hf = save_hf(tmp_path / "big_vocab", seed=5, vocab_size=151936, **small)
-    model = checkpoint.load_hf(str(tmp_path / "big_vocab"))
+    model = huggingface.load_hf(str(tmp_path / "big_vocab"))
     assert model.cfg.vocab_size == 151936
     assert model.embed_tokens.embedding.shape == (151936, 8)
     ids = np.array([[151935, 151665, 3, 151643]])
     np.testing.assert_allclose(our_logits(model, ids), hf_logits(hf, ids), rtol=0, atol=1e-4)
-    checkpoint.export_hf(model, str(tmp_path / "export"))
+    huggingface.export_hf(model, str(tmp_path / "export"))
     with open(tmp_path / "export" / "config.json") as f:
         assert json.load(f)["vocab_size"] == 151936
     assert load_file(str(tmp_path / "export" / "model.safetensors"))[
@@ -271,8 +271,8 @@ def test_embedding_rows_come_from_config_vocab_size(tmp_path):
 
 def test_bf16_compute_close_to_fp32(untied_ckpt):
     path, _ = untied_ckpt
-    fp32 = checkpoint.load_hf(str(path))
-    bf16 = checkpoint.load_hf(str(path), dtype="bfloat16", param_dtype="float32")
+    fp32 = huggingface.load_hf(str(path))
+    bf16 = huggingface.load_hf(str(path), dtype="bfloat16", param_dtype="float32")
     assert bf16.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.float32
     ids, valid = right_padded_batch(TINY["vocab_size"], [12, 12, 12], 12, seed=4)
     positions = jnp.broadcast_to(jnp.arange(12), (3, 12))
@@ -326,7 +326,7 @@ def test_rmsnorm_of_bf16_input_is_computed_in_fp32():
 
 
 def test_chunked_cached_forward_equals_full_forward(untied_ckpt):
-    model = checkpoint.load_hf(str(untied_ckpt[0]))
+    model = huggingface.load_hf(str(untied_ckpt[0]))
     b, t, slots, split = 2, 11, 16, 5
     ids = jnp.asarray(np.random.default_rng(7).integers(0, TINY["vocab_size"], (b, t)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))

@@ -17,7 +17,7 @@ import torch
 from flax import nnx
 
 from conftest import TINY
-from mars_jax import checkpoint
+from mars_jax import huggingface
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import causal_mask
 from mars_jax.objectives import (
@@ -126,8 +126,8 @@ def reference_ce(model, hidden, labels, normalization, xp=np):
 
 @pytest.fixture(scope="module")
 def models(tied_ckpt, untied_ckpt):
-    return {"tied": checkpoint.load_hf(str(tied_ckpt[0])),
-            "untied": checkpoint.load_hf(str(untied_ckpt[0]))}
+    return {"tied": huggingface.load_hf(str(tied_ckpt[0])),
+            "untied": huggingface.load_hf(str(untied_ckpt[0]))}
 
 
 # Prompt + answer lengths: a multiple of every block size (16), of 2 and 4 only (12), of none.

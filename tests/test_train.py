@@ -19,8 +19,9 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from mars_jax import data, decode, objectives, train, workdir as wd
-from mars_jax.model import causal_mask
+from mars_jax import data, decode, evaluate, export, generate, objectives, train, train_step
+from mars_jax import workdir as wd
+from mars_jax.model import Qwen2, causal_mask
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,24 +171,15 @@ def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
     workdir: the final parameters and logged losses equal those of the straight 4-step run."""
     straight, cfg, _ = stage1
     workdir = str(tmp_path / "resumed")
-    real_manager = wd.checkpoint_manager
+    real_save = wd.Checkpoints.save
 
-    def interrupting_manager(path, **kw):
-        manager = real_manager(path, **kw)
-        save = manager.save
+    def save_then_die(self, step, state):
+        real_save(self, step, state)
+        if step == 2:
+            self.close()
+            raise _Interrupted
 
-        def save_then_die(step, *args, **kwargs):
-            out = save(step, *args, **kwargs)
-            if step == 2:
-                manager.wait_until_finished()
-                manager.close()
-                raise _Interrupted
-            return out
-
-        manager.save = save_then_die
-        return manager
-
-    monkeypatch.setattr(wd, "checkpoint_manager", interrupting_manager)
+    monkeypatch.setattr(wd.Checkpoints, "save", save_then_die)
     with pytest.raises(_Interrupted):
         train.train(get_config("ar"), workdir)
     monkeypatch.undo()
@@ -237,7 +229,7 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
         examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
     )[0]
     obj = types.SimpleNamespace(
-        max_label_tokens=train.objective_config(cfg, tok.mask_id, examples).max_label_tokens,
+        max_label_tokens=train_step.objective_settings(cfg, tok.mask_id, examples).max_label_tokens,
         normalization=cfg.objective.normalization,
     )
     ar, _ = objectives.ar_loss(s1, jax.tree.map(jnp.asarray, batch), obj)
@@ -307,11 +299,19 @@ def test_cli_rejects_unknown_config_key(tmp_path):
     assert not workdir.exists()
 
 
-def test_evaluate_cli(stage1):
+@pytest.fixture(scope="module")
+def evaluation(stage1):
+    """The in-process evaluation of the stage-1 run: (report returned, eval.json as written)."""
     workdir, cfg, _ = stage1
-    run_cli("mars_jax.evaluate", "--config=configs/tiny.py", f"--workdir={workdir}", *cli_flags())
+    report = evaluate.evaluate(cfg, workdir)
     with open(os.path.join(workdir, "eval.json")) as f:
-        report = json.load(f)
+        return report, json.load(f)
+
+
+def test_evaluate_in_process(stage1, evaluation):
+    workdir, cfg, _ = stage1
+    report, written = evaluation
+    assert written == report
     assert report["step"] == 4 and report["num_examples"] == 4 and report["block_size"] == 4
     assert [r["threshold"] for r in report["results"]] == [1.0, 0.9]
     for r in report["results"]:
@@ -353,16 +353,43 @@ def test_evaluate_cli(stage1):
     assert report["ar_nll"] == pytest.approx(np.mean(nll), rel=1e-4)
 
 
-def test_generate_cli_json(stage1):
+def test_evaluate_cli_writes_the_in_process_report(stage1, evaluation):
+    workdir, _, _ = stage1
+    run_cli("mars_jax.evaluate", "--config=configs/tiny.py", f"--workdir={workdir}", *cli_flags())
+    with open(os.path.join(workdir, "eval.json")) as f:
+        cli_report = json.load(f)
+    expected = evaluation[0]
+    for r in cli_report["results"] + expected["results"]:
+        r.pop("tokens_per_s")  # wall-clock
+    assert cli_report == expected
+
+
+def test_entry_modules_import_together():
+    """Flags are defined only when a module runs as a program: every module of the package and
+    the benchmark import into one process (absl would raise DuplicateFlagError otherwise)."""
+    code = (
+        "import pkgutil, importlib, mars_jax\n"
+        "names = [m.name for m in pkgutil.iter_modules(mars_jax.__path__)]\n"
+        "for n in names: importlib.import_module('mars_jax.' + n)\n"
+        "import benchmarks.decode_speed\n"
+        "from absl import flags\n"
+        "assert 'config' not in flags.FLAGS and 'workdir' not in flags.FLAGS\n"
+        "print(sorted(names))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("train", "evaluate", "generate", "export", "train_step", "huggingface"):
+        assert f"'{name}'" in proc.stdout
+
+
+def test_generate_in_process_and_cli(stage1):
     workdir, _, _ = stage1
     questions = ["What is 12 * 7?", "Tom has 3 apples and buys 4 more. How many now?"]
-    proc = run_cli(
-        "mars_jax.generate", f"--workdir={workdir}", *[f"--prompt={q}" for q in questions],
-        "--threshold=0.9", "--max_new_tokens=8", "--json",
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) == 2
-    objs = [json.loads(line) for line in lines]
+    results = generate.complete(workdir, questions, threshold=0.9, max_new_tokens=8)
     model, tok, _ = wd.load_model(workdir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], True) for q in questions]
     ids = np.full((2, max(map(len, prompts))), tok.pad_id, np.int32)
@@ -372,7 +399,8 @@ def test_generate_cli_json(stage1):
         model, ids, np.asarray([len(p) for p in prompts]), block_size=4, threshold=0.9,
         max_new_tokens=8,
     )
-    for i, (obj, q) in enumerate(zip(objs, questions)):
+    assert len(results) == 2
+    for i, (obj, q) in enumerate(zip(results, questions)):
         assert obj["prompt"] == q
         assert obj["text"] == tok.decode(obj["tokens"])
         assert obj["tokens"] == expected.tokens[i, : expected.lengths[i]].tolist()
@@ -381,12 +409,23 @@ def test_generate_cli_json(stage1):
         )
         assert len(obj["tokens"]) <= 8
 
+    proc = run_cli(
+        "mars_jax.generate", f"--workdir={workdir}", *[f"--prompt={q}" for q in questions],
+        "--threshold=0.9", "--max_new_tokens=8", "--json",
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert [json.loads(line) for line in lines] == results
+
 
 def test_export_cli_loads_in_transformers(hf_run, tmp_path):
     # The run initialised from a perturbed HF model: O(1) logits, non-zero biases.
     original, workdir = hf_run
     out = tmp_path / "hf_export"
     run_cli("mars_jax.export", f"--workdir={workdir}", f"--output={out}")
+    # The library call writes the same weights and config.
+    assert export.export_run(workdir, str(tmp_path / "in_process")) == 1
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (tmp_path / "in_process" / name).read_bytes(), name
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     model, tok, _ = wd.load_model(workdir)
     ids = np.random.default_rng(1).integers(0, 151666, size=(2, 10))
@@ -427,13 +466,13 @@ def test_grad_accumulation_equals_whole_batch():
     for row, start in enumerate([2, 12, 5, 14]):  # 14, 4, 11 and 2 labelled tokens
         labels[row, start:] = ids[row, start:]
     batch = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
-    graphdef, params = nnx.split(train.Qwen2(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(Qwen2(model_cfg, rngs=nnx.Rngs(0)))
     for norm in ("token", "sequence"):
         obj = types.SimpleNamespace(name="ar", normalization=norm, max_label_tokens=None)
-        tx, _ = train.optimizer(cfg, 10)
+        tx, _ = train_step.optimizer(cfg, 10)
         results = []
         for accum in (1, 2):
-            step = jax.jit(train.make_train_step(graphdef, tx, obj, accum))
+            step = jax.jit(train_step.make_train_step(graphdef, tx, obj, accum))
             new_params, _, metrics = step(params, tx.init(params), batch)
             results.append((jax.tree.leaves(new_params), metrics))
         (p1, m1), (p2, m2) = results

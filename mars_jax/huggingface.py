@@ -1,4 +1,4 @@
-"""Conversion between Hugging Face Qwen2 checkpoints (safetensors) and the NNX model.
+"""Hugging Face interop: Qwen2 checkpoints (safetensors) and config.json in and out.
 
 A Hugging Face directory holds ``config.json`` and either ``model.safetensors`` or sharded
 ``*.safetensors`` files listed in ``model.safetensors.index.json`` (the layout written by
@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig, Qwen2, abstract_model
 
 _SUPPORTED_ACT = "silu"
 
@@ -134,8 +134,7 @@ def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
     shape mismatch, naming the tensor and its file.
     """
     tensors, origin = _read_tensors(path)
-    abstract = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
+    state = nnx.state(abstract_model(cfg), nnx.Param)
     used = set()
 
     def fill(p, leaf):
@@ -161,16 +160,23 @@ def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
     return state
 
 
+def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "float32"):
+    """The `ModelConfig` of the HF directory ``path`` (its config.json; see `config_from_hf`).
+
+    Raises FileNotFoundError without config.json, ValueError as `config_from_hf`."""
+    source = os.path.join(path, "config.json")
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"{source} not found: {path} is not a Hugging Face model directory")
+    with open(source) as f:
+        return config_from_hf(json.load(f), dtype=dtype, param_dtype=param_dtype, source=source)
+
+
 def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32") -> Qwen2:
-    """Loads a HF Qwen2/Qwen2.5 checkpoint directory into a single-host `Qwen2` model."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = config_from_hf(
-            json.load(f),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            source=os.path.join(path, "config.json"),
-        )
-    model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+    """Loads a HF Qwen2/Qwen2.5 checkpoint directory into a single-host `Qwen2` model.
+
+    Raises as `read_hf_config` and `load_hf_state`."""
+    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype)
+    model = abstract_model(cfg)
     nnx.update(model, jax.tree.map(jnp.asarray, load_hf_state(path, cfg)))
     return model
 

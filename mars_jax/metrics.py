@@ -1,0 +1,69 @@
+"""Training metrics of a run: the progress line in the log and ``workdir/metrics.jsonl``.
+
+Every logged training record goes through `MetricsWriter.write`, the one place that writes
+metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from absl import logging
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to ``workdir/metrics.jsonl`` and logs it.
+
+    On a resumed run (``start_step`` > 0) records of steps after ``start_step`` are dropped
+    first: an interrupted run logged them after its last checkpoint, and they are about to be
+    redone. A torn last line (a killed process) is dropped with a warning.
+    """
+
+    def __init__(self, workdir: str, start_step: int, num_steps: int):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.num_steps = num_steps
+        kept = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                for number, line in enumerate(f, start=1):
+                    try:
+                        if json.loads(line)["step"] <= start_step:
+                            kept.append(line)
+                    except (json.JSONDecodeError, KeyError):
+                        logging.warning("%s:%d: dropping unreadable metrics record", self.path, number)
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        self._file = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        """Logs and appends ``record``: {step, loss, [noisy_loss, clean_loss,] learning_rate,
+        tokens_per_s, progress (fraction), eta_s (seconds), ...} of floats.
+
+        Raises FloatingPointError for a non-finite loss (the record is logged, not written).
+        """
+        parts = "".join(f" {k} {record[k]:.4f}" for k in ("noisy_loss", "clean_loss") if k in record)
+        logging.info(
+            "step %d/%d (%.0f%%) loss %.4f%s lr %.2e tokens/s %.0f ETA %s",
+            record["step"],
+            self.num_steps,
+            100 * record["progress"],
+            record["loss"],
+            parts,
+            record["learning_rate"],
+            record["tokens_per_s"],
+            _hms(record["eta_s"]),
+        )
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"loss is {record['loss']} at step {record['step']}")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

@@ -1,0 +1,172 @@
+"""The jitted train step: objective, gradient accumulation and the AdamW update, as a pure
+function over parameter and optimizer-state pytrees (arXiv 2604.07023, Sec. 4).
+
+`build_train_step` is the one place that builds the step from a config and a mesh: the jitted
+function with its shardings, plus abstract inputs (``jax.ShapeDtypeStruct`` with shardings) to
+lower and compile it ahead of time without any weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mars_jax import data, sharding
+from mars_jax.objectives import check_config, loss_denominator, loss_fn
+
+
+def objective_settings(cfg, mask_id: int, examples) -> types.SimpleNamespace:
+    """Static objective settings closed over by the jitted step: ``cfg.objective`` plus
+    ``mask_id``.
+
+    ``max_label_tokens`` 0 means: the most labelled tokens of any of ``examples`` (a list of
+    (input_ids, labels) arrays), rounded up to a multiple of 8 (logits are computed at that many
+    positions per row). Raises ValueError as `objectives.check_config`.
+    """
+    obj = types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
+    check_config(obj)
+    if not obj.max_label_tokens:
+        longest = max(int((labels != data.IGNORE_INDEX).sum()) for _, labels in examples)
+        obj.max_label_tokens = -(-longest // 8) * 8
+    return obj
+
+
+def optimizer(cfg, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(AdamW, its learning-rate schedule): linear warmup over ``train.warmup_ratio`` of the
+    steps, then linear decay to 0, after clipping the global gradient norm to ``train.grad_clip``.
+    """
+    t = cfg.train
+    warmup = max(1, int(round(t.warmup_ratio * num_steps)))
+    schedule = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, t.learning_rate, warmup),
+            optax.linear_schedule(t.learning_rate, 0.0, max(1, num_steps - warmup)),
+        ],
+        [warmup],
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=t.weight_decay),
+    ), schedule
+
+
+def abstract_opt_state(tx: optax.GradientTransformation, abstract_params, mesh: Mesh):
+    """``tx``'s state for ``abstract_params`` as ``jax.ShapeDtypeStruct`` leaves with shardings:
+    per-parameter moments placed as their parameters, scalars (e.g. the step count) replicated.
+    ``abstract_params`` carries the parameter shardings (``jax.eval_shape`` drops them)."""
+    param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    shapes = jax.eval_shape(tx.init, abstract_params)
+    shardings = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        shapes,
+        param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+    )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_steps: int):
+    """A pure step (params, opt_state, batch) -> (params, opt_state, metrics).
+
+    The batch ({input_ids, labels} int32 [batch, L]) is split into ``grad_accum_steps``
+    micro-batches (lax.scan); their gradients and metrics are combined with weights
+    proportional to their loss denominators, so the update equals that of the whole batch.
+    metrics: fp32 scalars loss (and noisy_loss / clean_loss), label_tokens, grad_norm.
+    """
+
+    def grads_of(params, micro):
+        def loss(p):
+            return loss_fn(nnx.merge(graphdef, p), micro, obj)
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    def step(params, opt_state, batch):
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
+        denominators = jax.vmap(lambda l: loss_denominator(l, obj.normalization))(micro["labels"])
+        weights = denominators / jnp.maximum(denominators.sum(), 1)
+
+        def body(acc, inputs):
+            mb, w = inputs
+            g, m = grads_of(params, mb)
+            return jax.tree.map(lambda a, x: a + w * x, acc, (g, m)), None
+
+        zeros = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros)
+        (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
+        metrics["label_tokens"] = (batch["labels"][:, 1:] != data.IGNORE_INDEX).sum()
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """A jitted train step and what it runs on.
+
+    fn: jitted (params, opt_state, batch) -> (params, opt_state, metrics); params and opt_state
+      are donated.
+    abstract_params / abstract_opt_state / abstract_batch: its inputs as trees of
+      ``jax.ShapeDtypeStruct`` with shardings (``fn.lower(*step.abstract_inputs)`` compiles it
+      without allocating anything).
+    batch_sharding: where a host batch goes (``jax.device_put(batch, batch_sharding)``).
+    """
+
+    fn: Callable
+    abstract_params: Any
+    abstract_opt_state: Any
+    abstract_batch: dict[str, jax.ShapeDtypeStruct]
+    batch_sharding: NamedSharding
+
+    @property
+    def abstract_inputs(self) -> tuple:
+        return self.abstract_params, self.abstract_opt_state, self.abstract_batch
+
+    @property
+    def opt_state_shardings(self):
+        return jax.tree.map(lambda x: x.sharding, self.abstract_opt_state)
+
+
+def build_train_step(
+    cfg, graphdef, abstract_params, obj, tx: optax.GradientTransformation, mesh: Mesh, rules
+) -> TrainStep:
+    """The jitted step of run config ``cfg`` on ``mesh``.
+
+    Args:
+      cfg: run config (``train.batch_size``, ``train.grad_accum_steps``, ``data.max_length``).
+      graphdef, abstract_params: from `sharding.abstract_params` (leaves carry shardings).
+      obj: settings from `objective_settings`.
+      tx: the optimizer of `optimizer`.
+      mesh, rules: the mesh and logical-axis rules (batches go on the "batch" rule's axes).
+
+    Raises ValueError when ``train.batch_size`` is not divisible by ``train.grad_accum_steps``.
+    """
+    t = cfg.train
+    if t.batch_size % t.grad_accum_steps:
+        raise ValueError(
+            f"train.batch_size {t.batch_size} is not divisible by "
+            f"train.grad_accum_steps {t.grad_accum_steps}"
+        )
+    param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    abstract_opt = abstract_opt_state(tx, abstract_params, mesh)
+    opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_opt)
+    batch_sharding = sharding.batch_sharding(mesh, rules)
+    row = jax.ShapeDtypeStruct((t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding)
+    fn = jax.jit(
+        make_train_step(graphdef, tx, obj, t.grad_accum_steps),
+        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        out_shardings=(param_shardings, opt_shardings, None),
+        donate_argnums=(0, 1),
+    )
+    return TrainStep(fn, abstract_params, abstract_opt, {"input_ids": row, "labels": row}, batch_sharding)
