@@ -13,6 +13,11 @@ def get_config(stage: str = "ar"):
     # Placeholders to override (a missing directory or file is an error, never a random init):
     c.init_from = "/path/to/Qwen2.5-0.5B-Instruct"  # stage 2: the stage-1 workdir
     c.data.train_path = "/path/to/sft.jsonl"
+    # The architecture of Qwen2.5-0.5B (used as is without a checkpoint, e.g. by
+    # launch/memory_plan.py; init_from's config.json wins where it is set).
+    c.model.update(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                   num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True)
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.data.source = "messages"

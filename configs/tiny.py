@@ -22,12 +22,16 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
         "init_from": "",
         # "" = the tokenizer of init_from if set, else the offline Qwen2.5 tokenizer.
         "tokenizer_path": "",
-        # Used for random init only; init_from brings its own (dtypes always come from here).
+        # Used for random init only; init_from brings its own architecture (dtypes, remat and
+        # attention always come from here).
         "model": {
             "vocab_size": 151936, "hidden_size": 64, "intermediate_size": 192,
             "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
             "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
             "dtype": "float32", "param_dtype": "float32",
+            # Execution, also applied with init_from: rematerialisation policy (none | full |
+            # dots) and attention implementation (xla).
+            "remat": "none", "attention": "xla",
         },
         "data": {
             "source": "synthetic",  # synthetic | gsm8k | messages

@@ -33,6 +33,13 @@ from flax import nnx
 KVCache = list[dict[str, jax.Array]]  # per layer {"k": [R, S, K, H], "v": [R, S, K, H]}
 
 
+# Rematerialisation policies of a decoder layer's backward pass: keep every activation ("none"),
+# recompute all of them ("full"), or keep only matmul outputs ("dots").
+REMAT = ("none", "full", "dots")
+# Attention implementations: "xla" (jax.nn.dot_product_attention over the dense mask).
+ATTENTION = ("xla",)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a Qwen2-architecture decoder (names follow transformers' Qwen2Config).
@@ -40,6 +47,10 @@ class ModelConfig:
     ``vocab_size`` is the number of embedding rows (151,936 for Qwen2.5-0.5B, 152,064 for 7B),
     which is larger than the tokenizer's 151,666 ids. ``dtype`` is the compute dtype and
     ``param_dtype`` the storage dtype, both as numpy dtype names.
+
+    Execution settings, not architecture (they change memory and speed, never the function):
+    ``remat`` is the rematerialisation policy of each decoder layer in training (`REMAT`),
+    ``attention`` the attention implementation (`ATTENTION`).
     """
 
     vocab_size: int = 151936
@@ -54,8 +65,14 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "xla"
 
     def __post_init__(self):
+        if self.remat not in REMAT:
+            raise ValueError(f"model.remat must be one of {REMAT}, got {self.remat!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"model.attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

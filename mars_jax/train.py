@@ -15,6 +15,7 @@ loop; the jitted step is `mars_jax.train_step`, the run directory `mars_jax.work
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -30,18 +31,23 @@ from mars_jax.objectives import check_config
 from mars_jax.tokenizer import load_tokenizer
 
 
+# ModelConfig fields taken from the run config even when init_from brings the architecture.
+_EXECUTION_KEYS = ("dtype", "param_dtype", "remat", "attention")
+
+
 def model_config(cfg) -> ModelConfig:
-    """The model to train: from ``init_from`` (HF dir or workdir) if set, else ``cfg.model``.
+    """The model to train: from ``init_from`` (HF dir or workdir) if set, else ``cfg.model``;
+    dtypes, remat and attention always from ``cfg.model``.
 
     Raises FileNotFoundError when ``init_from`` is not a directory.
     """
-    dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise FileNotFoundError(f"init_from={cfg.init_from!r} is not a directory")
+    execution = {k: cfg.model[k] for k in _EXECUTION_KEYS}
     if cfg.init_from and wd.is_workdir(cfg.init_from):
-        return wd.read_model_config(cfg.init_from, **dtypes)
+        return wd.read_model_config(cfg.init_from, **execution)
     if cfg.init_from:
-        return huggingface.read_hf_config(cfg.init_from, **dtypes)
+        return dataclasses.replace(huggingface.read_hf_config(cfg.init_from), **execution)
     return ModelConfig(**cfg.model)
 
 
