@@ -30,8 +30,8 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
             "dtype": "float32", "param_dtype": "float32",
             # Execution, also applied with init_from: rematerialisation policy (none | full |
-            # dots) and attention implementation (xla).
-            "remat": "none", "attention": "xla",
+            # dots), attention implementation (xla), layers in a lax.scan (else unrolled).
+            "remat": "none", "attention": "xla", "scan_layers": True,
         },
         "data": {
             "source": "synthetic",  # synthetic | gsm8k | messages

@@ -95,8 +95,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
-    """NNX state path -> (HF tensor name, whether the tensor is stored transposed)."""
+def _hf_names(path: tuple, num_layers: int) -> tuple[list[str], bool, bool]:
+    """NNX state path -> (its HF tensor names, whether each is stored transposed, whether the
+    parameter stacks them on a leading layer axis).
+
+    A decoder-layer parameter is stacked here ([num_layers, ...]) and one tensor per layer in a
+    HF checkpoint (``model.layers.<i>.<name>``); every other parameter is one tensor.
+    """
     keys = [
         str(getattr(k, "key", getattr(k, "idx", None)))
         for k in path
@@ -105,7 +110,10 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     name = ".".join(keys)
     transposed = name.endswith(".kernel")
     name = re.sub(r"\.(kernel|embedding)$", ".weight", name)
-    return (name if name.startswith("lm_head.") else "model." + name), transposed
+    if name.startswith("layers."):
+        rest = name.removeprefix("layers.")
+        return [f"model.layers.{i}.{rest}" for i in range(num_layers)], transposed, True
+    return [name if name.startswith("lm_head.") else "model." + name], transposed, False
 
 
 def _read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -138,17 +146,21 @@ def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
     used = set()
 
     def fill(p, leaf):
-        name, transposed = _hf_name(p)
-        if name not in tensors:
-            raise ValueError(f"{path}: missing tensor {name!r} required by the config")
-        value = tensors[name].T if transposed else tensors[name]
-        if value.shape != leaf.shape:
-            raise ValueError(
-                f"{path}/{origin[name]}: tensor {name!r} has shape "
-                f"{tensors[name].shape}, expected {leaf.shape[::-1] if transposed else leaf.shape}"
-            )
-        used.add(name)
-        return np.ascontiguousarray(value.astype(leaf.dtype))
+        names, transposed, stacked = _hf_names(p, cfg.num_layers)
+        shape = leaf.shape[1:] if stacked else leaf.shape
+        values = []
+        for name in names:
+            if name not in tensors:
+                raise ValueError(f"{path}: missing tensor {name!r} required by the config")
+            value = tensors[name].T if transposed else tensors[name]
+            if value.shape != shape:
+                raise ValueError(
+                    f"{path}/{origin[name]}: tensor {name!r} has shape "
+                    f"{tensors[name].shape}, expected {shape[::-1] if transposed else shape}"
+                )
+            used.add(name)
+            values.append(value.astype(leaf.dtype))
+        return np.ascontiguousarray(np.stack(values) if stacked else values[0])
 
     state = jax.tree_util.tree_map_with_path(fill, state)
     unused = sorted(set(tensors) - used)
@@ -202,9 +214,10 @@ def export_hf(
     cfg = model.cfg if dtype is None else dataclasses.replace(model.cfg, param_dtype=dtype)
     tensors = {}
     for p, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        name, transposed = _hf_name(p)
+        names, transposed, stacked = _hf_names(p, cfg.num_layers)
         value = np.asarray(jax.device_get(leaf).astype(jnp.dtype(cfg.param_dtype)))
-        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+        for name, part in zip(names, value if stacked else [value]):
+            tensors[name] = np.ascontiguousarray(part.T if transposed else part)
     shards, current, size = [], {}, 0
     for name in sorted(tensors):
         nbytes = tensors[name].nbytes

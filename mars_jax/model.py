@@ -26,11 +26,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import flax.core.spmd
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-KVCache = list[dict[str, jax.Array]]  # per layer {"k": [R, S, K, H], "v": [R, S, K, H]}
+KVCache = dict[str, jax.Array]  # {"k": [L, R, S, K, H], "v": [L, R, S, K, H]}, L layers
 
 
 # Rematerialisation policies of a decoder layer's backward pass: keep every activation ("none"),
@@ -50,7 +52,8 @@ class ModelConfig:
 
     Execution settings, not architecture (they change memory and speed, never the function):
     ``remat`` is the rematerialisation policy of each decoder layer in training (`REMAT`),
-    ``attention`` the attention implementation (`ATTENTION`).
+    ``attention`` the attention implementation (`ATTENTION`), ``scan_layers`` whether the layers
+    run in a ``lax.scan`` (else unrolled; the parameters are stacked either way).
     """
 
     vocab_size: int = 151936
@@ -67,6 +70,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention: str = "xla"
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.remat not in REMAT:
@@ -199,6 +203,11 @@ class Qwen2(nnx.Module):
 
     Call ``model(input_ids, positions, mask)`` for final hidden states and ``model.logits(h)`` for
     fp32 logits, so callers can project only the positions they need onto the vocabulary.
+
+    The decoder layers are one `DecoderLayer` whose parameters are stacked on a leading
+    ``layers`` axis [num_layers, ...]; the forward runs them with ``lax.scan`` (compile time and
+    program size independent of depth; ``scan_layers=False`` unrolls the same computation), each
+    layer rematerialised in the backward pass as ``cfg.remat`` says.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -211,7 +220,7 @@ class Qwen2(nnx.Module):
             embedding_init=_partitioned(nnx.initializers.normal(0.02), ("vocab", "embed")),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = _stacked([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
         self.lm_head = (
             None
@@ -241,15 +250,27 @@ class Qwen2(nnx.Module):
           (hidden states [R, T, D] after the final norm, in ``dtype``; updated cache or None).
         """
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x = self.embed_tokens(input_ids)
-        new_cache = [] if cache is not None else None
-        for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(
-                x, cos, sin, mask, None if cache is None else cache[i], cache_index
+        x = _constrain(self.embed_tokens(input_ids), ACTIVATION_AXES)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, params, layer_cache):
+            x, layer_cache = nnx.merge(graphdef, params)(
+                x, cos, sin, mask, layer_cache, cache_index
             )
-            if cache is not None:
-                new_cache.append(layer_cache)
-        return self.norm(x), new_cache
+            return _constrain(x, ACTIVATION_AXES), layer_cache
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        if self.cfg.scan_layers:
+            x, cache = jax.lax.scan(lambda x, xs: layer(x, *xs), x, (stacked, cache))
+        else:
+            caches = []
+            for i in range(self.cfg.num_layers):
+                at = lambda tree: jax.tree.map(lambda a: a[i], tree)
+                x, layer_cache = layer(x, at(stacked), at(cache))
+                caches.append(layer_cache)
+            cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches)
+        return self.norm(x), cache
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Projects hidden states [..., D] onto the vocabulary: fp32 logits [..., V]."""
@@ -260,6 +281,43 @@ class Qwen2(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
 
+# Logical axes of the residual stream [R, T, D], constrained at every layer boundary.
+ACTIVATION_AXES = ("batch", "length", "activation_embed")
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+}
+
+
+def _constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` constrained to the sharding its logical axis ``names`` get under the active flax
+    logical-axis rules (``nnx.logical_axis_rules``) on the active mesh
+    (``jax.sharding.use_abstract_mesh``); unchanged where no mesh is active (single device,
+    decoding) or a name has no rule."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    rules = dict(flax.core.spmd.get_logical_axis_rules())
+    return jax.lax.with_sharding_constraint(x, P(*(rules.get(n) for n in names)))
+
+
+def _stacked(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One `DecoderLayer` whose parameters are those of ``layers`` stacked on a new leading axis
+    (logical name "layers"), so each layer keeps the values it was initialised with."""
+    graphdef = nnx.graphdef(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+
+    def stack(*variables: nnx.Variable) -> nnx.Variable:
+        first = variables[0]
+        names = first.get_metadata().get("out_sharding") or (None,) * first.ndim
+        return first.replace(
+            jnp.stack([v.get_value() for v in variables]), out_sharding=("layers", *names)
+        )
+
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, stacked)
+
+
 def abstract_model(cfg: ModelConfig) -> Qwen2:
     """The shape-only `Qwen2` of ``cfg``: every parameter a ``jax.ShapeDtypeStruct`` carrying its
     partitioning metadata; nothing is allocated. Split it with ``nnx.split`` for the graphdef
@@ -268,12 +326,11 @@ def abstract_model(cfg: ModelConfig) -> Qwen2:
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> KVCache:
-    """Zeroed KV cache: per layer {"k", "v"} of shape [batch, slots, K, H] ([R, S, K, H]) in the compute dtype."""
-    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    """Zeroed KV cache {"k", "v"}, each [num_layers, batch, slots, K, H] ([L, R, S, K, H]) in the
+    compute dtype (or ``dtype``)."""
+    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    return [
-        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)
-    ]
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 def causal_mask(t: int) -> jax.Array:

@@ -3,7 +3,8 @@
 Model parameters carry logical axis names in flax's own partitioning metadata
 (``nnx.with_partitioning``: the ``out_sharding`` of each ``nnx.Param``), so
 ``nnx.get_partition_spec`` reads them like any flax model. A rules table maps each logical name
-(vocab, embed, heads, kv_heads, mlp, norm, and batch for activations) to axes of the
+(layers, vocab, embed, heads, kv_heads, mlp, norm for parameters; batch, length,
+activation_embed for activations) to axes of the
 ``(data, fsdp, tensor)`` mesh. The table lives in the run config (``mesh.rules``; the default is
 `DEFAULT_RULES`) and is passed to every function that places arrays.
 """
@@ -25,6 +26,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # from the command line are tuples, e.g. --config.mesh.rules.embed="('fsdp','tensor')".
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
+    "length": (),
+    "activation_embed": (),
+    "layers": (),
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "heads": ("tensor",),

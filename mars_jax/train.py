@@ -32,12 +32,12 @@ from mars_jax.tokenizer import load_tokenizer
 
 
 # ModelConfig fields taken from the run config even when init_from brings the architecture.
-_EXECUTION_KEYS = ("dtype", "param_dtype", "remat", "attention")
+_EXECUTION_KEYS = ("dtype", "param_dtype", "remat", "attention", "scan_layers")
 
 
 def model_config(cfg) -> ModelConfig:
     """The model to train: from ``init_from`` (HF dir or workdir) if set, else ``cfg.model``;
-    dtypes, remat and attention always from ``cfg.model``.
+    dtypes and execution settings (remat, attention, scan_layers) always from ``cfg.model``.
 
     Raises FileNotFoundError when ``init_from`` is not a directory.
     """

@@ -75,13 +75,26 @@ def abstract_opt_state(tx: optax.GradientTransformation, abstract_params, mesh: 
     )
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_steps: int):
+def micro_batches(batch: dict[str, jax.Array], grad_accum_steps: int) -> dict[str, jax.Array]:
+    """[A * M, L] arrays -> [A, M, L] with micro-batch i = rows i, i + A, i + 2A, ... (A =
+    ``grad_accum_steps``). Strided, not contiguous: each device holds a contiguous block of
+    the batch's rows, so every micro-batch takes rows from every device and is spread over the
+    whole mesh (a contiguous split would leave each micro-batch on 1/A of the devices)."""
+    return jax.tree.map(
+        lambda x: x.reshape(-1, grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch
+    )
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_steps: int,
+                    param_shardings=None):
     """A pure step (params, opt_state, batch) -> (params, opt_state, metrics).
 
     The batch ({input_ids, labels} int32 [batch, L]) is split into ``grad_accum_steps``
-    micro-batches (lax.scan); their gradients and metrics are combined with weights
-    proportional to their loss denominators, so the update equals that of the whole batch.
-    metrics: fp32 scalars loss (and noisy_loss / clean_loss), label_tokens, grad_norm.
+    micro-batches (`micro_batches`, lax.scan); their gradients and metrics are combined with
+    weights proportional to their loss denominators, so the update equals that of the whole
+    batch. The fp32 gradient accumulators are placed like the parameters when
+    ``param_shardings`` is given. metrics: fp32 scalars loss (and noisy_loss / clean_loss),
+    label_tokens, grad_norm.
     """
 
     def grads_of(params, micro):
@@ -91,7 +104,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
         return jax.grad(loss, has_aux=True)(params)
 
     def step(params, opt_state, batch):
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
+        micro = micro_batches(batch, grad_accum_steps)
         denominators = jax.vmap(lambda l: loss_denominator(l, obj.normalization))(micro["labels"])
         weights = denominators / jnp.maximum(denominators.sum(), 1)
 
@@ -101,8 +114,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
             return jax.tree.map(lambda a, x: a + w * x, acc, (g, m)), None
 
         zeros = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros)
-        (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
+        grads, metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros)
+        if param_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        (grads, metrics), _ = jax.lax.scan(body, (grads, metrics), (micro, weights))
         metrics["label_tokens"] = (batch["labels"][:, 1:] != data.IGNORE_INDEX).sum()
         metrics["grad_norm"] = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -163,8 +178,15 @@ def build_train_step(
     opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_opt)
     batch_sharding = sharding.batch_sharding(mesh, rules)
     row = jax.ShapeDtypeStruct((t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding)
+    step = make_train_step(graphdef, tx, obj, t.grad_accum_steps, param_shardings)
+
+    def on_mesh(*args):
+        # Activation constraints in the model read the mesh and the logical rules from here.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(rules):
+            return step(*args)
+
     fn = jax.jit(
-        make_train_step(graphdef, tx, obj, t.grad_accum_steps),
+        on_mesh,
         in_shardings=(param_shardings, opt_shardings, batch_sharding),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),

@@ -273,7 +273,7 @@ def test_bf16_compute_close_to_fp32(untied_ckpt):
     path, _ = untied_ckpt
     fp32 = huggingface.load_hf(str(path))
     bf16 = huggingface.load_hf(str(path), dtype="bfloat16", param_dtype="float32")
-    assert bf16.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.float32
+    assert bf16.layers.self_attn.q_proj.kernel[...].dtype == jnp.float32
     ids, valid = right_padded_batch(TINY["vocab_size"], [12, 12, 12], 12, seed=4)
     positions = jnp.broadcast_to(jnp.arange(12), (3, 12))
     hidden = nnx.eval_shape(lambda m: m(jnp.asarray(ids, jnp.int32), positions, causal_mask(12))[0], bf16)
@@ -334,7 +334,8 @@ def test_chunked_cached_forward_equals_full_forward(untied_ckpt):
     full, _ = run(model, ids, pos, causal_mask(t))
 
     cache = init_cache(model.cfg, b, slots)
-    assert cache[0]["k"].shape == (b, slots, model.cfg.num_kv_heads, model.cfg.head_dim)
+    layers = model.cfg.num_layers
+    assert cache["k"].shape == (layers, b, slots, model.cfg.num_kv_heads, model.cfg.head_dim)
     slot = jnp.arange(slots)
     outs = []
     for start, stop in [(0, split), (split, t)]:
@@ -346,5 +347,5 @@ def test_chunked_cached_forward_equals_full_forward(untied_ckpt):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full),
                                rtol=0, atol=1e-5)
     # Slots past the written prefix are untouched.
-    assert float(jnp.abs(cache[0]["k"][:, t:]).max()) == 0.0
-    assert float(jnp.abs(cache[0]["k"][:, t - 1]).max()) > 0
+    assert float(jnp.abs(cache["k"][:, :, t:]).max()) == 0.0
+    assert all(float(jnp.abs(cache["k"][i, :, t - 1]).max()) > 0 for i in range(layers))

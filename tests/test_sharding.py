@@ -26,7 +26,7 @@ from mars_jax import sharding
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import loss_fn
-from mars_jax.train_step import abstract_opt_state, make_train_step, optimizer
+from mars_jax.train_step import build_train_step, optimizer
 
 rules = sharding.logical_rules()
 
@@ -54,14 +54,14 @@ out["flax_specs_agree"] = all(
                     jax.tree.leaves(abstract))
 )
 out["logical_q_spec"] = list(
-    nnx.get_partition_spec(state)["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value()
+    nnx.get_partition_spec(state)["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
 )
 # Rules from a config table: replicate "embed", put "mlp" on (fsdp, tensor).
 custom = sharding.logical_rules({**sharding.DEFAULT_RULES, "embed": (), "mlp": ("fsdp", "tensor")})
 _, abstract_custom = sharding.abstract_params(cfg, mesh8, custom)
 out["custom_up_spec"] = [
     list(a) if isinstance(a, tuple) else a
-    for a in abstract_custom["layers"][0]["mlp"]["up_proj"]["kernel"].sharding.spec
+    for a in abstract_custom["layers"]["mlp"]["up_proj"]["kernel"].sharding.spec
 ]
 out["batch_spec"] = [list(a) if isinstance(a, tuple) else a for a in sharding.batch_sharding(mesh8, rules).spec]
 
@@ -76,7 +76,8 @@ labelled = (col >= prompt[:, None]) & (col < (prompt + answer)[:, None])
 batch = {"input_ids": ids, "labels": np.where(labelled, ids, IGNORE_INDEX).astype(np.int32)}
 obj = NS(name="mars", block_size=4, ar_weight=0.5, normalization="sequence",
          max_label_tokens=12, mask_id=95)
-run_cfg = NS(train=NS(warmup_ratio=0.0, learning_rate=1e-2, grad_clip=1.0, weight_decay=0.01))
+run_cfg = NS(train=NS(warmup_ratio=0.0, learning_rate=1e-2, grad_clip=1.0, weight_decay=0.01,
+                     batch_size=rows, grad_accum_steps=2), data=NS(max_length=length))
 
 
 host_params = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
@@ -88,17 +89,13 @@ def train(mesh, steps=3):
     params = jax.device_put(host_params, shardings)
     init = jax.tree.map(np.asarray, params)
     tx, _ = optimizer(run_cfg, 10)
-    opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_opt_state(tx, abstract, mesh))
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    step = jax.jit(
-        make_train_step(graphdef, tx, obj, grad_accum_steps=2),
-        in_shardings=(shardings, opt_shardings, sharding.batch_sharding(mesh, rules)),
-        out_shardings=(shardings, opt_shardings, None),
-    )
+    # The step as training builds it: shardings, donation, activation constraints on the mesh.
+    step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh, rules)
+    opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
     losses = []
     for _ in range(steps):
-        b = jax.device_put(batch, sharding.batch_sharding(mesh, rules))
-        params, opt_state, metrics = step(params, opt_state, b)
+        b = jax.device_put(batch, step.batch_sharding)
+        params, opt_state, metrics = step.fn(params, opt_state, b)
         losses.append(float(metrics["loss"]))
     return init, params, losses, opt_state
 
@@ -112,7 +109,7 @@ def grads(mesh):
 
 
 init8, params8, losses8, opt8 = train(mesh8)
-q = params8["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+q = params8["layers"]["self_attn"]["q_proj"]["kernel"][...]
 out["q_spec"] = [a for a in q.sharding.spec]
 out["q_shard_shapes"] = sorted({tuple(s.data.shape) for s in q.addressable_shards})
 out["q_num_devices"] = len(q.sharding.device_set)
@@ -196,28 +193,30 @@ def test_param_partition_specs(result):
         "embed_tokens.embedding": ["tensor", "fsdp"],
         "lm_head.kernel": ["fsdp", "tensor"],
         "norm.weight": [None],
-        "layers.0.input_layernorm.weight": [None],
-        "layers.0.self_attn.q_proj.kernel": ["fsdp", "tensor"],
-        "layers.0.self_attn.q_proj.bias": ["tensor"],
-        "layers.1.self_attn.k_proj.kernel": ["fsdp", "tensor"],
-        "layers.1.self_attn.v_proj.bias": ["tensor"],
-        "layers.0.self_attn.o_proj.kernel": ["tensor", "fsdp"],
-        "layers.0.mlp.gate_proj.kernel": ["fsdp", "tensor"],
-        "layers.0.mlp.up_proj.kernel": ["fsdp", "tensor"],
-        "layers.1.mlp.down_proj.kernel": ["tensor", "fsdp"],
+        # Decoder layers: stacked on a leading "layers" axis (replicated by default).
+        "layers.input_layernorm.weight": [None, None],
+        "layers.self_attn.q_proj.kernel": [None, "fsdp", "tensor"],
+        "layers.self_attn.q_proj.bias": [None, "tensor"],
+        "layers.self_attn.k_proj.kernel": [None, "fsdp", "tensor"],
+        "layers.self_attn.v_proj.bias": [None, "tensor"],
+        "layers.self_attn.o_proj.kernel": [None, "tensor", "fsdp"],
+        "layers.mlp.gate_proj.kernel": [None, "fsdp", "tensor"],
+        "layers.mlp.up_proj.kernel": [None, "fsdp", "tensor"],
+        "layers.mlp.down_proj.kernel": [None, "tensor", "fsdp"],
     }
     for name, spec in expected.items():
         assert specs[name] == spec, (name, specs[name])
-    assert len(specs) == 3 + 2 * 12  # embed, lm_head, norm + per layer 2 norms, 7 kernels, 3 biases
+    assert len(specs) == 3 + 12  # embed, lm_head, norm + stacked 2 norms, 7 kernels, 3 biases
     assert result["batch_spec"] == [["data", "fsdp"], None]
 
 
 def test_params_are_really_distributed(result):
-    assert result["q_spec"] == ["fsdp", "tensor"]
+    assert result["q_spec"] == [None, "fsdp", "tensor"]
     assert result["q_num_devices"] == 8
-    assert result["q_shard_shapes"] == [[16, 16]]  # [32, 32] split 2 x 2, replicated over data
-    # Adam moments of [32, 32] kernels (q_proj, o_proj) stay sharded like those parameters.
-    assert result["mu_specs"] == ["P('fsdp', 'tensor')", "P('tensor', 'fsdp')"]
+    # [2 layers, 32, 32] split 2 x 2 on the last two axes, replicated over data.
+    assert result["q_shard_shapes"] == [[2, 16, 16]]
+    # Adam moments of the stacked [2, 32, 32] kernels (q_proj, o_proj) stay sharded like them.
+    assert result["mu_specs"] == ["P(None, 'fsdp', 'tensor')", "P(None, 'tensor', 'fsdp')"]
 
 
 def test_gradients_on_8_devices_match_1_device(result):
@@ -246,11 +245,11 @@ def test_train_step_on_8_devices_matches_1_device(result):
 
 def test_partitioning_is_flax_metadata(result):
     assert result["flax_specs_agree"]
-    assert result["logical_q_spec"] == ["embed", "heads"]
+    assert result["logical_q_spec"] == ["layers", "embed", "heads"]
 
 
 def test_rules_come_from_the_table(result):
-    assert result["custom_up_spec"] == [None, ["fsdp", "tensor"]]
+    assert result["custom_up_spec"] == [None, None, ["fsdp", "tensor"]]
     err = result["rules_error"]
     assert err is not None and "mesh.rules.embed" in err and "model" in err
 
