@@ -65,6 +65,11 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
         # Device mesh axes (-1: the remaining devices) and the logical-axis sharding rules:
         # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('fsdp','tensor')".
         "mesh": {"data": -1, "fsdp": 1, "tensor": 1, "rules": dict(DEFAULT_RULES)},
+        # Multi-process runs (one process per host): all three set, or none. Unset (the
+        # defaults), a Slurm, Open MPI, Cloud TPU pod or Kubernetes launch of several processes
+        # is detected from the environment; otherwise the run is one process. coordinator_address
+        # is "host:port" of process 0, process_id this process's index in [0, num_processes).
+        "distributed": {"coordinator_address": "", "num_processes": 0, "process_id": -1},
         "eval": {
             "num_examples": 64,
             "batch_size": 32,

@@ -8,9 +8,9 @@ rest of a block with EOS.
 """
 
 import collections
-import functools
 import json
 from pathlib import Path
+from typing import Sequence
 
 import grain
 import jinja2
@@ -310,8 +310,10 @@ def batched_dataset(
     num_epochs: int | None = None,
     drop_remainder: bool = True,
     pad_id: int = ENDOFTEXT_ID,
+    rows: Sequence[int] | None = None,
 ) -> grain.MapDataset:
-    """A grain MapDataset whose element i is the i-th training batch.
+    """A grain MapDataset whose element i is the i-th training batch, or this process's rows
+    of it.
 
     Each element is `{"input_ids": int32[batch_size, max_length], "labels": int32[batch_size,
     max_length]}` padded with `pad_id` (`<|endoftext|>`) and IGNORE_INDEX. Examples are shuffled
@@ -321,9 +323,15 @@ def batched_dataset(
     times (forever if None). Being index-addressable, training resumes at step s by reading
     element s.
 
+    `rows` (ascending indices into the batch, e.g. `distributed.process_rows`) makes element i
+    hold only those rows of the i-th batch, `[len(rows), max_length]`, in that order; None
+    means all. In a multi-process run every process shuffles and batches the same examples
+    identically and collates only its rows, so the processes' parts form exactly the batch that
+    one process would read. A row past the end of a partial last batch is a padding row.
+
     Raises:
-      ValueError: no examples, an example longer than max_length, or fewer examples than
-        batch_size with drop_remainder.
+      ValueError: no examples, an example longer than max_length, fewer examples than
+        batch_size with drop_remainder, or rows not ascending within [0, batch_size).
     """
     if not examples or (drop_remainder and len(examples) < batch_size):
         raise ValueError(f"{len(examples)} examples cannot fill a batch of {batch_size}")
@@ -332,9 +340,14 @@ def batched_dataset(
     ds = grain.MapDataset.source(examples)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    collate = functools.partial(
-        _collate, batch_size=batch_size, max_length=max_length, pad_id=pad_id
-    )
+    rows = range(batch_size) if rows is None else [int(r) for r in rows]
+    if any(not 0 <= r < batch_size for r in rows) or list(rows) != sorted(set(rows)):
+        raise ValueError(f"rows {list(rows)} must be ascending and lie in [0, {batch_size})")
+
+    def collate(batch: list[Example]) -> dict:
+        mine = [batch[r] for r in rows if r < len(batch)]
+        return _collate(mine, batch_size=len(rows), max_length=max_length, pad_id=pad_id)
+
     return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=collate).repeat(num_epochs)
 
 

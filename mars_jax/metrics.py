@@ -19,11 +19,18 @@ class MetricsWriter:
     On a resumed run (``start_step`` > 0) records of steps after ``start_step`` are dropped
     first: an interrupted run logged them after its last checkpoint, and they are about to be
     redone. A torn last line (a killed process) is dropped with a warning.
+
+    Only a ``primary`` writer (process 0 of a multi-process run) touches the file; every
+    process's writer checks the loss, so all of them stop on a non-finite one (`distributed`
+    keeps the INFO log lines of other processes out of the log).
     """
 
-    def __init__(self, workdir: str, start_step: int, num_steps: int):
+    def __init__(self, workdir: str, start_step: int, num_steps: int, *, primary: bool = True):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.num_steps = num_steps
+        self._file = None
+        if not primary:
+            return
         kept = []
         if os.path.exists(self.path):
             with open(self.path) as f:
@@ -57,11 +64,14 @@ class MetricsWriter:
         )
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"loss is {record['loss']} at step {record['step']}")
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        """Closes the file (a non-primary writer has none)."""
+        if self._file is not None:
+            self._file.close()
 
 
 def _hms(seconds: float) -> str:

@@ -20,11 +20,11 @@ import os
 import time
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from mars_jax import cli, data, huggingface, sharding, train_step, workdir as wd
+from mars_jax import cli, data, distributed, huggingface, sharding, train_step, workdir as wd
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import check_config
@@ -107,25 +107,36 @@ def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training of run config ``cfg`` in ``workdir``; returns the last logged
     metrics record (empty if the run was already complete).
 
+    In a multi-process run (see `mars_jax.distributed`) every process calls this with the same
+    config (but its own ``distributed.process_id``) and workdir, on a filesystem they share;
+    each feeds its rows of every batch, all take part in each checkpoint save and restore, and
+    only process 0 writes the run files, metrics.jsonl and INFO logs.
+
     Raises ValueError for a bad config (see `train_step.build_train_step`,
-    `objectives.check_config`, `sharding`) or a resume with another config, FileNotFoundError
-    for a missing ``init_from`` or data file, FloatingPointError for a non-finite loss.
+    `objectives.check_config`, `sharding`, `distributed.initialize`) or a resume with another
+    config, FileNotFoundError for a missing ``init_from`` or data file, FloatingPointError for a
+    non-finite loss.
     """
+    distributed.initialize(cfg.distributed)
     check_config(cfg.objective)
     model_cfg = model_config(cfg)
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
     t = cfg.train
     num_steps = t.num_steps or max(1, int(t.num_epochs * (len(examples) // t.batch_size)))
-    dataset = data.batched_dataset(
-        examples, batch_size=t.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
-    )
 
     obj = train_step.objective_settings(cfg, tok.mask_id, examples)
     mesh, rules = sharding.mesh_from_config(cfg.mesh)
     graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
     tx, schedule = train_step.optimizer(cfg, num_steps)
     step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
+    dataset = data.batched_dataset(
+        examples,
+        batch_size=t.batch_size,
+        max_length=cfg.data.max_length,
+        seed=cfg.seed,
+        rows=distributed.process_rows(step.batch_sharding, t.batch_size),
+    )
     run_config = cfg.to_json_best_effort(indent=2)
     checkpoints = wd.Checkpoints(workdir, max_to_keep=t.max_to_keep)
 
@@ -134,7 +145,8 @@ def train(cfg, workdir: str) -> dict:
         params = initial_params(cfg, model_cfg, abstract)
         opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
         state = wd.TrainState(params, opt_state, data_position=0)
-        wd.write_run_files(workdir, run_config, model_cfg, tok)
+        if distributed.is_primary():
+            wd.write_run_files(workdir, run_config, model_cfg, tok)
         start = 0
     else:
         wd.check_same_run(workdir, run_config)
@@ -153,14 +165,13 @@ def train(cfg, workdir: str) -> dict:
             t.batch_size,
             obj.max_label_tokens,
         )
-    metrics = MetricsWriter(workdir, start, num_steps)
+    metrics = MetricsWriter(workdir, start, num_steps, primary=distributed.is_primary())
     params, opt_state, position = state
     last, t0, tokens, window_start = {}, time.time(), 0, time.time()
     for i in range(start, num_steps):
-        batch = dataset[position]
+        batch = distributed.global_batch(dataset[position], step.batch_sharding, t.batch_size)
         position += 1
-        tokens += int(_sequence_lengths(batch["labels"]).sum())
-        batch = jax.device_put(batch, step.batch_sharding)
+        tokens = tokens + _batch_tokens(batch["labels"])
         params, opt_state, values = step.fn(params, opt_state, batch)
         done = i + 1
         if done % t.log_every == 0 or done == num_steps:
@@ -169,7 +180,7 @@ def train(cfg, workdir: str) -> dict:
                 "step": done,
                 **{k: float(v) for k, v in jax.device_get(values).items()},
                 "learning_rate": float(schedule(i)),
-                "tokens_per_s": tokens / (now - window_start),
+                "tokens_per_s": int(tokens) / (now - window_start),
                 "progress": done / num_steps,
                 "eta_s": (num_steps - done) / ((done - start) / (now - t0)),
             }
@@ -182,10 +193,13 @@ def train(cfg, workdir: str) -> dict:
     return last
 
 
-def _sequence_lengths(labels: np.ndarray) -> np.ndarray:
-    """Tokens per row up to its last labelled token (rows end there; batch padding excluded)."""
+@jax.jit
+def _batch_tokens(labels: jax.Array) -> jax.Array:
+    """Tokens of a global batch: each row up to its last labelled token (rows end there; batch
+    padding excluded), summed over all processes' rows. int32 scalar, replicated."""
     labelled = labels != data.IGNORE_INDEX
-    return np.where(labelled.any(1), labels.shape[1] - np.argmax(labelled[:, ::-1], axis=1), 0)
+    lengths = labels.shape[1] - jnp.argmax(labelled[:, ::-1], axis=1)
+    return jnp.where(labelled.any(1), lengths, 0).sum()
 
 
 def main() -> None:

@@ -61,8 +61,17 @@ def write_run_files(workdir: str, run_config_json: str, cfg: ModelConfig, tok: T
     tok.save(os.path.join(workdir, "tokenizer"))
 
 
-# Keys that may differ when a run is resumed: they do not change what is computed.
-_RESUMABLE_CHANGES = ("train.log_every", "train.save_every", "train.max_to_keep")
+# Keys that may differ when a run is resumed: they do not change what is computed. The
+# distributed keys differ between the processes of one run (config.json holds process 0's), and
+# a run may resume on another number of processes: global batches do not depend on it.
+_RESUMABLE_CHANGES = (
+    "train.log_every",
+    "train.save_every",
+    "train.max_to_keep",
+    "distributed.coordinator_address",
+    "distributed.num_processes",
+    "distributed.process_id",
+)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -86,8 +95,9 @@ def read_run_config(workdir: str) -> dict:
 
 def check_same_run(workdir: str, run_config_json: str) -> None:
     """Before resuming: raises ValueError if ``workdir/config.json`` differs from the new run
-    config in any key but logging/saving cadence (a different batch size, schedule, objective,
-    model or data would silently mix two runs). The message lists the differing keys."""
+    config in any key but logging/saving cadence and the distributed launch (a different batch
+    size, schedule, objective, model or data would silently mix two runs). The message lists
+    the differing keys."""
     saved = _flatten(read_run_config(workdir))
     new = _flatten(json.loads(run_config_json))
     diff = [
@@ -126,7 +136,9 @@ class Checkpoints:
     manager (closing waits for asynchronous saves).
 
     Each step holds the items of a `TrainState`. Saves are asynchronous and atomic: a step
-    appears only once all of its items are written.
+    appears only once all of its items are written. In a multi-process run every process
+    creates its `Checkpoints` on the same (shared) directory and calls each save and restore:
+    Orbax writes each process's shards of the arrays, and process 0 the metadata.
     """
 
     def __init__(self, workdir: str, *, max_to_keep: int | None = None):
