@@ -26,6 +26,7 @@ def get_config(stage: str = "ar"):
     c.data.eval_format = "gsm8k"
     c.objective.block_size = 8
     c.objective.max_label_tokens = 512
+    c.objective.ce_chunk_size = 64
     c.train.update(batch_size=384, grad_accum_steps=1, num_epochs=5.0, num_steps=0,
                    learning_rate=5e-6, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
                    log_every=10, save_every=500, max_to_keep=3)

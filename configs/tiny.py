@@ -48,6 +48,9 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "ar_weight": 1.0,
             "normalization": "sequence",  # sequence | token
             "max_label_tokens": 0,  # 0: the most labelled tokens of any example
+            # Cross-entropy over this many positions at a time (0: all at once); bounds the
+            # [rows, positions, vocabulary] logits that exist at once.
+            "ce_chunk_size": 0,
         },
         "train": {
             "batch_size": 16,  # rows per optimizer step (split into grad_accum_steps)

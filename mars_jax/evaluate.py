@@ -51,7 +51,7 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
     tokenized, _ = data.build_examples(
         rows, tok, "messages", max_length=max_length, block_size=1, source_name="eval"
     )
-    obj = types.SimpleNamespace(max_label_tokens=None, normalization="token")
+    obj = types.SimpleNamespace(max_label_tokens=None, normalization="token", ce_chunk_size=0)
     loss = jax.jit(lambda m, b: ar_loss(m, b, obj)[1])
     total, count = 0.0, 0
     ds = data.batched_dataset(

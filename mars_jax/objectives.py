@@ -11,7 +11,8 @@ Logits are right-shifted in both halves (the output at t-1 predicts token t), an
 each CE normalized per sequence and then over the batch ("sequence", the reference default) or
 over all labelled tokens of the batch ("token"). ``ar_weight = 0`` is the paper's "no SFT loss"
 ablation. Logits are computed only at the (at most ``max_label_tokens``) labelled positions of
-each row, which is where all the loss is.
+each row, which is where all the loss is, and with ``ce_chunk_size`` a chunk of positions at a
+time, so the logits over the vocabulary are never materialised for a whole micro-batch.
 """
 
 from __future__ import annotations
@@ -73,19 +74,44 @@ def loss_denominator(labels: jax.Array, normalization: str) -> jax.Array:
     return per_row.sum() if normalization == "token" else (per_row > 0).sum()
 
 
-def cross_entropy(model: Qwen2, hidden: jax.Array, positions, targets, valid, normalization: str):
+def token_nll(model: Qwen2, h: jax.Array, targets: jax.Array, chunk_size: int = 0) -> jax.Array:
+    """-log p(target) under ``model.logits(h)``: fp32 [R, M] for hidden states h [R, M, D] and
+    targets int32 [R, M].
+
+    With ``chunk_size`` > 0 the M positions are processed ``chunk_size`` at a time (``lax.map``)
+    and each chunk's logits are recomputed in the backward pass (``jax.checkpoint``), so at most
+    [R, chunk_size, V] logits exist at once instead of [R, M, V].
+    """
+
+    def nll(h, targets):
+        logits = model.logits(h)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return jax.nn.logsumexp(logits, axis=-1) - picked
+
+    rows, m = targets.shape
+    if not chunk_size or chunk_size >= m:
+        return nll(h, targets)
+    n = -(-m // chunk_size)
+    pad = n * chunk_size - m
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    chunks = lambda x: x.reshape(rows, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
+    out = jax.lax.map(jax.checkpoint(lambda args: nll(*args)), (chunks(h), chunks(targets)))
+    return out.swapaxes(0, 1).reshape(rows, n * chunk_size)[:, :m]
+
+
+def cross_entropy(
+    model: Qwen2, hidden: jax.Array, positions, targets, valid, normalization: str,
+    chunk_size: int = 0,
+):
     """Mean CE of ``targets`` given hidden states [R, T, D] gathered at ``positions`` [R, M].
 
     ``normalization``: "sequence" (mean over each row's tokens, then over rows that have any) or
-    "token" (mean over all valid tokens). Returns an fp32 scalar.
+    "token" (mean over all valid tokens). ``chunk_size``: see `token_nll`. Returns an fp32
+    scalar.
     """
     h = jnp.take_along_axis(hidden, positions[..., None], axis=1)
-    logits = model.logits(h)
-    nll = (
-        jax.nn.logsumexp(logits, axis=-1)
-        - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    )
-    nll = jnp.where(valid, nll, 0.0)
+    nll = jnp.where(valid, token_nll(model, h, targets, chunk_size), 0.0)
     counts = valid.sum(axis=1)
     if normalization == "token":
         return nll.sum() / jnp.maximum(counts.sum(), 1)
@@ -99,19 +125,20 @@ def cross_entropy(model: Qwen2, hidden: jax.Array, positions, targets, valid, no
 def ar_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
     """Next-token SFT loss on the labelled tokens of ``batch`` ({input_ids, labels} int32 [R, L]).
 
-    Returns (loss, metrics) with metrics {loss, clean_loss, label_tokens}.
+    ``cfg`` has normalization, max_label_tokens and ce_chunk_size (`token_nll`). Returns
+    (loss, metrics) with metrics {loss, clean_loss, label_tokens}.
     """
     ids, labels = batch["input_ids"], batch["labels"]
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
     hidden, _ = model(ids, positions, causal_mask(ids.shape[1]))
     pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
-    loss = cross_entropy(model, hidden, pos, tgt, valid, cfg.normalization)
+    loss = cross_entropy(model, hidden, pos, tgt, valid, cfg.normalization, cfg.ce_chunk_size)
     return loss, {"loss": loss, "clean_loss": loss, "label_tokens": valid.sum()}
 
 
 def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
     """MARS loss CE(noisy) + ar_weight * CE(clean) (Sec. 3); ``cfg`` has block_size, ar_weight,
-    normalization, max_label_tokens and mask_id. L must be a multiple of block_size.
+    normalization, max_label_tokens, ce_chunk_size and mask_id. L must be a multiple of block_size.
 
     Returns (loss, metrics) with metrics {loss, noisy_loss, clean_loss, label_tokens}.
     """
@@ -124,8 +151,8 @@ def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
     ids2, positions2 = mars_inputs(ids, labels, cfg.mask_id)
     hidden, _ = model(ids2, positions2, mars_attention_mask(length, cfg.block_size))
     pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
-    noisy = cross_entropy(model, hidden[:, :length], pos, tgt, valid, cfg.normalization)
-    clean = cross_entropy(model, hidden[:, length:], pos, tgt, valid, cfg.normalization)
+    ce = lambda h: cross_entropy(model, h, pos, tgt, valid, cfg.normalization, cfg.ce_chunk_size)
+    noisy, clean = ce(hidden[:, :length]), ce(hidden[:, length:])
     loss = noisy + cfg.ar_weight * clean
     return loss, {
         "loss": loss,

@@ -33,10 +33,11 @@ V = TINY["vocab_size"]
 MASK_ID, EOS_ID, PAD_ID = V - 1, V - 2, V - 3
 
 
-def obj_cfg(name="mars", block_size=4, ar_weight=1.0, normalization="sequence", max_label_tokens=None):
+def obj_cfg(name="mars", block_size=4, ar_weight=1.0, normalization="sequence", max_label_tokens=None,
+            ce_chunk_size=0):
     return SimpleNamespace(name=name, block_size=block_size, ar_weight=ar_weight,
                            normalization=normalization, max_label_tokens=max_label_tokens,
-                           mask_id=MASK_ID)
+                           mask_id=MASK_ID, ce_chunk_size=ce_chunk_size)
 
 
 def make_batch(seed, block, shapes, length=None):
@@ -304,3 +305,55 @@ def test_objective_errors(models):
         loss_fn(model, batch, obj_cfg(name="diffusion"))
     with pytest.raises(ValueError, match="normalization"):
         ar_loss(model, batch, obj_cfg(name="ar", normalization="batch"))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_chunked_cross_entropy_equals_full(loss_setup, chunk):
+    """Chunks of 1, 3 (not dividing the positions) and 8 give the loss and the gradients of the
+    unchunked cross-entropy."""
+    model, batch, block, _, _ = loss_setup
+    graphdef, params = nnx.split(model, nnx.Param)
+    most = int((np.asarray(batch["labels"])[:, 1:] != IGNORE_INDEX).sum(1).max())
+    assert most > chunk and most % 3
+
+    def loss(p, chunk_size):
+        cfg = obj_cfg(block_size=block, ar_weight=0.5, ce_chunk_size=chunk_size,
+                      max_label_tokens=most)
+        return mars_loss(nnx.merge(graphdef, p), batch, cfg)[0]
+
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (full, g_full), (chunked, g_chunked) = grad(params, 0), grad(params, chunk)
+    np.testing.assert_allclose(float(chunked), float(full), rtol=1e-6)
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_full))
+    for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_full)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * scale)
+
+
+def _shapes(jaxpr):
+    """Shapes of every value a jaxpr (and the jaxprs nested in its equations) computes."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            yield tuple(getattr(v.aval, "shape", ()))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _shapes(inner)
+
+
+def test_chunked_cross_entropy_never_builds_all_logits(loss_setup):
+    """No value in the forward or backward pass has the vocabulary as its last axis for more
+    than ``ce_chunk_size`` positions of a row; without chunking, [rows, positions, V] exists."""
+    model, batch, block, _, _ = loss_setup
+    graphdef, params = nnx.split(model, nnx.Param)
+    most = int((np.asarray(batch["labels"])[:, 1:] != IGNORE_INDEX).sum(1).max())
+    rows = batch["labels"].shape[0]
+
+    def widest_logits(chunk_size):
+        cfg = obj_cfg(block_size=block, ce_chunk_size=chunk_size, max_label_tokens=most)
+        loss = lambda p: mars_loss(nnx.merge(graphdef, p), batch, cfg)[0]
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+        return max(int(np.prod(s[:-1])) for s in _shapes(jaxpr) if len(s) >= 2 and s[-1] == V)
+
+    assert widest_logits(0) >= rows * most
+    assert widest_logits(2) <= rows * 2

@@ -231,6 +231,7 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
     obj = types.SimpleNamespace(
         max_label_tokens=train_step.objective_settings(cfg, tok.mask_id, examples).max_label_tokens,
         normalization=cfg.objective.normalization,
+        ce_chunk_size=0,
     )
     ar, _ = objectives.ar_loss(s1, jax.tree.map(jnp.asarray, batch), obj)
     assert m["clean_loss"] == pytest.approx(float(ar), rel=1e-5)
@@ -468,7 +469,8 @@ def test_grad_accumulation_equals_whole_batch():
     batch = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
     graphdef, params = nnx.split(Qwen2(model_cfg, rngs=nnx.Rngs(0)))
     for norm in ("token", "sequence"):
-        obj = types.SimpleNamespace(name="ar", normalization=norm, max_label_tokens=None)
+        obj = types.SimpleNamespace(name="ar", normalization=norm, max_label_tokens=None,
+                                    ce_chunk_size=0)
         tx, _ = train_step.optimizer(cfg, 10)
         results = []
         for accum in (1, 2):
