@@ -30,7 +30,8 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
             "dtype": "float32", "param_dtype": "float32",
             # Execution, also applied with init_from: rematerialisation policy (none | full |
-            # dots), attention implementation (xla), layers in a lax.scan (else unrolled).
+            # dots), attention implementation (xla | chunked | splash on TPU | cudnn on GPU; see
+            # mars_jax/attention.py), layers in a lax.scan (else unrolled).
             "remat": "none", "attention": "xla", "scan_layers": True,
         },
         "data": {

@@ -10,7 +10,7 @@ RMSNorm -> grouped-query attention (q/k/v with bias, o without; rotary embedding
 final RMSNorm; LM head tied to the embedding or separate.
 
 Precision: parameters are stored in ``param_dtype`` and matmuls run in ``dtype``; attention
-scores and softmax (``jax.nn.dot_product_attention``), RMSNorm and the rotary tables are fp32.
+scores and softmax (`mars_jax.attention`), RMSNorm and the rotary tables are fp32.
 
 Sharding: every parameter carries the logical names of its axes as flax partitioning metadata
 (``nnx.with_partitioning``; vocab, embed, heads, kv_heads, mlp, norm), which `mars_jax.sharding`
@@ -29,8 +29,11 @@ from typing import Any
 import flax.core.spmd
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
+from mars_jax.attention import IMPLEMENTATIONS, attend
 
 KVCache = dict[str, jax.Array]  # {"k": [L, R, S, K, H], "v": [L, R, S, K, H]}, L layers
 
@@ -38,8 +41,8 @@ KVCache = dict[str, jax.Array]  # {"k": [L, R, S, K, H], "v": [L, R, S, K, H]}, 
 # Rematerialisation policies of a decoder layer's backward pass: keep every activation ("none"),
 # recompute all of them ("full"), or keep only matmul outputs ("dots").
 REMAT = ("none", "full", "dots")
-# Attention implementations: "xla" (jax.nn.dot_product_attention over the dense mask).
-ATTENTION = ("xla",)
+# Attention implementations (see `mars_jax.attention`).
+ATTENTION = IMPLEMENTATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +150,9 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg, n * h, d, ("heads", "embed"), False, rngs)
 
     def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-        """x [R, T, D]; mask bool broadcastable to [R, T, S]; cache {"k","v"} [R, S, K, H].
+        """x [R, T, D]; mask bool broadcastable to [R, T, S] (a numpy array where the attention
+        implementation needs a static pattern, see `mars_jax.attention`); cache {"k","v"}
+        [R, S, K, H].
 
         With a cache, the new keys/values of row r are written at slots
         ``cache_index[r] .. cache_index[r] + T - 1`` before attending, and the mask indexes slots.
@@ -165,8 +170,8 @@ class Attention(nnx.Module):
             k = write(cache["k"], k.astype(cache["k"].dtype), cache_index)
             v = write(cache["v"], v.astype(cache["v"].dtype), cache_index)
             cache = {"k": k, "v": v}
-        mask = jnp.broadcast_to(mask, (r, t, k.shape[1]))[:, None]
-        out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask)
+        # Decoding (with a cache) masks per row and slot: always the dense path.
+        out = attend(q, k, v, mask, "xla" if cache is not None else cfg.attention)
         return self.o_proj(out.reshape(r, t, -1)), cache
 
 
@@ -333,7 +338,6 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> K
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def causal_mask(t: int) -> jax.Array:
-    """bool [1, T, T]: query t attends to keys s <= t."""
-    i = jnp.arange(t)
-    return (i[None, :] <= i[:, None])[None]
+def causal_mask(t: int) -> np.ndarray:
+    """bool [1, T, T]: query t attends to keys s <= t (numpy: a static pattern)."""
+    return np.tril(np.ones((t, t), bool))[None]

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import Qwen2, causal_mask
@@ -28,9 +29,10 @@ from mars_jax.model import Qwen2, causal_mask
 NORMALIZATIONS = ("sequence", "token")
 
 
-def mars_attention_mask(length: int, block_size: int) -> jax.Array:
-    """bool [1, 2L, 2L] mask of the ``[noisy | clean]`` layout (True = may attend)."""
-    i = jnp.arange(2 * length)
+def mars_attention_mask(length: int, block_size: int) -> np.ndarray:
+    """bool [1, 2L, 2L] mask of the ``[noisy | clean]`` layout (True = may attend); numpy, so
+    attention kernels can read its block structure (`mars_jax.attention`)."""
+    i = np.arange(2 * length)
     noisy, block = i < length, (i % length) // block_size
     pos = i % length
     nq, nk = noisy[:, None], noisy[None, :]

@@ -1,0 +1,160 @@
+"""Attention implementations for grouped-query attention under an arbitrary boolean mask.
+
+`attend` computes softmax(q k^T / sqrt(H)) v where the mask allows, with fp32 scores and
+softmax, by one of `IMPLEMENTATIONS` (``ModelConfig.attention``):
+
+- "xla": ``jax.nn.dot_product_attention`` over the dense mask (any backend). Its backward pass
+  keeps fp32 scores [R, N, T, S]: for the MARS layout (T = S = 2L) the dominant training
+  activation (about 1.3 GiB per row for Qwen2.5-0.5B at L = 512).
+- "chunked": the same arithmetic a block of ``QUERY_CHUNK`` queries at a time (``lax.map``),
+  each block rematerialised in the backward pass, so at most [R, N, QUERY_CHUNK, S] scores
+  exist at once (any backend; the portable memory-saving path).
+- "splash": the Pallas TPU splash-attention kernel (``jax.experimental.pallas.ops.tpu``), which
+  skips the blocks the mask rules out; the mask must be a concrete numpy array (the MARS and
+  causal masks of `mars_jax.objectives` are), since a traced mask cannot be analysed into
+  block sparsity. Under a mesh it runs inside ``shard_map`` (rows and heads split as the
+  logical rules say). ``interpret=True`` runs it on CPU (tests).
+- "cudnn": cuDNN's fused attention through ``jax.nn.dot_product_attention(implementation=
+  "cudnn")`` (NVIDIA GPUs only; not exercised on CPU).
+
+Shapes: R rows, T queries, S keys, N query heads, K KV heads (N % K == 0), H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.core.spmd
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+IMPLEMENTATIONS = ("xla", "chunked", "splash", "cudnn")
+QUERY_CHUNK = 128  # queries per block of the "chunked" implementation
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask,
+    implementation: str = "xla",
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Grouped-query attention: q [R, T, N, H], k and v [R, S, K, H] -> [R, T, N, H] in q's dtype.
+
+    ``mask``: bool, broadcastable to [R, T, S], True where query t may attend to key s; for
+    "splash" a numpy array [T, S] or [1, T, S] (the same pattern for every row and head).
+    Every query must be allowed at least one key.
+
+    Raises ValueError for an unknown implementation, or "splash" with a traced or per-row mask.
+    """
+    if implementation == "xla":
+        return _dense(q, k, v, mask)
+    if implementation == "chunked":
+        return _chunked(q, k, v, mask)
+    if implementation == "splash":
+        return _splash(q, k, v, mask, interpret=interpret)
+    if implementation == "cudnn":
+        r, t, s = q.shape[0], q.shape[1], k.shape[1]
+        full = jnp.broadcast_to(jnp.asarray(mask), (r, t, s))[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=full, implementation="cudnn")
+    raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+def _dense(q, k, v, mask):
+    r, t, s = q.shape[0], q.shape[1], k.shape[1]
+    full = jnp.broadcast_to(jnp.asarray(mask), (r, t, s))[:, None]
+    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=full)
+
+
+def _chunked(q, k, v, mask):
+    """`_dense` over blocks of QUERY_CHUNK queries (the last block padded), each block
+    recomputed in the backward pass."""
+    r, t, n, h = q.shape
+    s = k.shape[1]
+    if t <= QUERY_CHUNK:
+        return _dense(q, k, v, mask)
+    blocks = -(-t // QUERY_CHUNK)
+    pad = blocks * QUERY_CHUNK - t
+    full = jnp.broadcast_to(jnp.asarray(mask), (r, t, s))
+    # Padded queries attend to key 0 only (a valid softmax); their outputs are dropped.
+    full = jnp.pad(full, ((0, 0), (0, pad), (0, 0)))
+    full = full.at[:, t:, 0].set(True) if pad else full
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    split = lambda x: x.reshape(r, blocks, QUERY_CHUNK, *x.shape[2:]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def block(args):
+        qb, mb = args
+        return _dense(qb, k, v, mb)
+
+    out = jax.lax.map(block, (split(qp), split(full)))  # [blocks, R, QUERY_CHUNK, N, H]
+    return out.swapaxes(0, 1).reshape(r, blocks * QUERY_CHUNK, n, h)[:, :t]
+
+
+SPLASH_BLOCK = 128  # the kernel's default tiles: 128 queries x 128 keys
+
+
+def _static_mask(mask) -> np.ndarray:
+    """The [T, S] numpy pattern of a splash mask, or ValueError."""
+    if not isinstance(mask, np.ndarray):
+        raise ValueError(
+            "attention 'splash' needs a concrete numpy mask (the same for every row), got a "
+            f"{type(mask).__name__}; use 'xla' or 'chunked' for traced masks"
+        )
+    if mask.ndim == 3 and mask.shape[0] == 1:
+        mask = mask[0]
+    if mask.ndim != 2:
+        raise ValueError(f"attention 'splash' needs a [T, S] mask, got shape {mask.shape}")
+    if mask.shape[0] % SPLASH_BLOCK or mask.shape[1] % SPLASH_BLOCK:
+        raise ValueError(
+            f"attention 'splash' needs query and key lengths that are multiples of "
+            f"{SPLASH_BLOCK}, got {mask.shape} (MARS trains on 2 x data.max_length positions)"
+        )
+    return mask.astype(bool)
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(mask_bytes: bytes, shape: tuple[int, int], group: int, interpret: bool):
+    """The splash MQA kernel for one KV head and its ``group`` query heads (cached by mask)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+        splash_attention_mask as mask_lib,
+    )
+
+    pattern = np.frombuffer(mask_bytes, dtype=bool).reshape(shape)
+    heads = mask_lib.MultiHeadMask([mask_lib.NumpyMask(pattern)] * group)
+    with jax.ensure_compile_time_eval():  # concrete mask tables, safe to cache across traces
+        return kernel_lib.make_splash_mqa(
+            heads, head_shards=1, q_seq_shards=1, interpret=interpret
+        )
+
+
+def _splash(q, k, v, mask, *, interpret: bool):
+    pattern = _static_mask(mask)
+    r, t, n, h = q.shape
+    kv = k.shape[2]
+
+    def local(q, k, v):
+        # One kernel call per (row, KV head): q [N/K, T, H], k and v [S, H].
+        kernel = _splash_kernel(pattern.tobytes(), pattern.shape, n // kv, interpret)
+        rows, heads = q.shape[0], k.shape[2]
+        qg = q.reshape(rows, t, heads, n // kv, h).transpose(0, 2, 3, 1, 4) * (h**-0.5)
+        kg, vg = (x.astype(q.dtype).transpose(0, 2, 1, 3) for x in (k, v))
+        out = jax.vmap(jax.vmap(kernel))(qg, kg, vg)  # [rows, heads, N/K, T, H]
+        return out.transpose(0, 3, 1, 2, 4).reshape(rows, t, heads * (n // kv), h).astype(q.dtype)
+
+    if jax.sharding.get_abstract_mesh().empty:
+        return local(q, k, v)
+    rules = dict(flax.core.spmd.get_logical_axis_rules())
+    batch, heads, kv_heads = rules.get("batch"), rules.get("heads"), rules.get("kv_heads")
+    return jax.shard_map(
+        local,
+        in_specs=(P(batch, None, heads, None), P(batch, None, kv_heads, None),
+                  P(batch, None, kv_heads, None)),
+        out_specs=P(batch, None, heads, None),
+        check_vma=False,
+    )(q, k, v)
