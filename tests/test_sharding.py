@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mars_jax import sharding
+import tempfile
+
+from mars_jax import sharding, workdir as wd
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import loss_fn
@@ -128,6 +131,37 @@ g8, g1 = grads(mesh8), grads(mesh1)
 out["grad_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(g8, g1))
 out["grad_scale"] = max(float(np.abs(b).max()) for b in g1)
 out["lr_sum"] = sum(float(optimizer(run_cfg, 10)[1](i)) for i in range(3))
+
+
+# --- a checkpoint saved on one mesh shape continues on another ------------------------------
+def continue_from(directory, mesh, steps=2):
+    # Restores step 1 of `directory` onto `mesh` and trains `steps` more steps.
+    graphdef, abstract = sharding.abstract_params(cfg, mesh, rules)
+    tx, _ = optimizer(run_cfg, 10)
+    step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh, rules)
+    with wd.Checkpoints(directory) as checkpoints:
+        params, opt_state, position = checkpoints.restore(
+            1, wd.TrainState(abstract, step.abstract_opt_state, 0))
+    shard = params["layers"]["mlp"]["up_proj"]["kernel"][...].addressable_shards[0].data.shape
+    losses = []
+    for _ in range(steps):
+        params, opt_state, metrics = step.fn(params, opt_state,
+                                             jax.device_put(batch, step.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses, position, list(shard)
+
+
+with tempfile.TemporaryDirectory() as directory:
+    graphdef, abstract = sharding.abstract_params(cfg, mesh8, rules)
+    tx, _ = optimizer(run_cfg, 10)
+    step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh8, rules)
+    params = jax.device_put(host_params, jax.tree.map(lambda x: x.sharding, abstract))
+    opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
+    params, opt_state, _ = step.fn(params, opt_state, jax.device_put(batch, step.batch_sharding))
+    with wd.Checkpoints(directory) as checkpoints:
+        checkpoints.save(1, wd.TrainState(params, opt_state, 1))
+    out["resharded_same"] = continue_from(directory, mesh8)
+    out["resharded_other"] = continue_from(directory, sharding.make_mesh(data=1, fsdp=8, tensor=1))
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -257,6 +291,19 @@ def test_rules_come_from_the_table(result):
 def test_tensor_parallel_must_not_split_heads(result):
     err = result["heads_error"]
     assert err is not None and "num_heads 14" in err and "num_kv_heads 2" in err and "4" in err
+
+
+def test_checkpoint_restores_onto_another_mesh(result):
+    """Saved on (data 2, fsdp 2, tensor 2), restored onto (data 1, fsdp 8, tensor 1): the
+    parameters take the new placement and the next steps give the losses of continuing on the
+    original mesh (fp32 roundoff of reductions in another order)."""
+    (same, position_same, shard_same), (other, position_other, shard_other) = (
+        result["resharded_same"], result["resharded_other"])
+    # up_proj [2 layers, 32, 64]: split 2 x 2 on (fsdp, tensor), then 8 ways on fsdp.
+    assert shard_same == [2, 16, 32] and shard_other == [2, 4, 64]
+    assert position_same == position_other == 1
+    assert same[1] < same[0]  # training continues
+    np.testing.assert_allclose(other, same, rtol=1e-5)
 
 
 def test_mesh_errors(result):
