@@ -4,7 +4,9 @@ A Hugging Face directory holds ``config.json`` and either ``model.safetensors`` 
 ``*.safetensors`` files listed in ``model.safetensors.index.json`` (the layout written by
 transformers' ``save_pretrained``). Loading is strict: every tensor must be consumed, every
 parameter must be found, and shapes must match. Names follow transformers' Qwen2ForCausalLM;
-linear weights are stored [out, in] there and [in, out] (``kernel``) here.
+linear weights are stored [out, in] there and [in, out] (``kernel``) here. `load_hf_sharded`
+reads a checkpoint straight into a sharded layout, each process reading only the parts of the
+tensors that its devices hold.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  numpy's "bfloat16", which safetensors' numpy reader asks for
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from mars_jax.model import ModelConfig, Qwen2, abstract_model
 
@@ -116,60 +120,132 @@ def _hf_names(path: tuple, num_layers: int) -> tuple[list[str], bool, bool]:
     return [name if name.startswith("lm_head.") else "model." + name], transposed, False
 
 
-def _read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """All tensors of a safetensors checkpoint directory, and the file each came from."""
+def _checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of the HF directory ``path`` (names relative to it).
+
+    Raises FileNotFoundError without model.safetensors or model.safetensors.index.json."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    tensors, origin = {}, {}
-    for name in files:
-        for key, value in load_file(os.path.join(path, name)).items():
-            tensors[key], origin[key] = value, name
-    return tensors, origin
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
-    """Reads a HF Qwen2 directory into an NNX parameter State of host (numpy) arrays.
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where one parameter lives in a HF directory: its tensor names (one per layer for a
+    stacked parameter) and their files, and whether they are stored transposed."""
 
-    The arrays are cast to ``cfg.param_dtype``; place them on devices with `jax.device_put`
-    (see `mars_jax.sharding`). Raises ValueError for an unused tensor (e.g. a dropped q/k/v
-    bias would leave one), a missing parameter (e.g. an untied model without ``lm_head``), or a
-    shape mismatch, naming the tensor and its file.
+    files: tuple[str, ...]
+    names: tuple[str, ...]
+    transposed: bool
+    stacked: bool
+
+
+def _sources(path: str, cfg: ModelConfig, state: nnx.State) -> nnx.State:
+    """The `_Source` of every parameter of ``state`` (leaves with .shape), same tree, checked
+    against the safetensors headers alone (no tensor data is read).
+
+    Raises FileNotFoundError as `_checkpoint_files`; ValueError for a missing tensor, a tensor
+    of the wrong shape, or a tensor no parameter uses, naming the tensor (and its file).
     """
-    tensors, origin = _read_tensors(path)
-    state = nnx.state(abstract_model(cfg), nnx.Param)
+    origin, shapes = {}, {}
+    for file in _checkpoint_files(path):
+        with safe_open(os.path.join(path, file), framework="np") as f:
+            for name in f.keys():
+                origin[name], shapes[name] = file, tuple(f.get_slice(name).get_shape())
     used = set()
 
-    def fill(p, leaf):
+    def source(p, leaf):
         names, transposed, stacked = _hf_names(p, cfg.num_layers)
-        shape = leaf.shape[1:] if stacked else leaf.shape
-        values = []
+        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+        expected = shape[::-1] if transposed else shape
         for name in names:
-            if name not in tensors:
+            if name not in shapes:
                 raise ValueError(f"{path}: missing tensor {name!r} required by the config")
-            value = tensors[name].T if transposed else tensors[name]
-            if value.shape != shape:
+            if shapes[name] != expected:
                 raise ValueError(
-                    f"{path}/{origin[name]}: tensor {name!r} has shape "
-                    f"{tensors[name].shape}, expected {shape[::-1] if transposed else shape}"
+                    f"{path}/{origin[name]}: tensor {name!r} has shape {shapes[name]}, "
+                    f"expected {expected}"
                 )
-            used.add(name)
-            values.append(value.astype(leaf.dtype))
-        return np.ascontiguousarray(np.stack(values) if stacked else values[0])
+        used.update(names)
+        files = tuple(os.path.join(path, origin[n]) for n in names)
+        return _Source(files, tuple(names), transposed, stacked)
 
-    state = jax.tree_util.tree_map_with_path(fill, state)
-    unused = sorted(set(tensors) - used)
+    sources = jax.tree_util.tree_map_with_path(source, state)
+    unused = sorted(set(shapes) - used)
     if unused:
         raise ValueError(
             f"{path}: tensors not used by the model (config mismatch?): "
             + ", ".join(f"{n} ({origin[n]})" for n in unused[:10])
         )
-    return state
+    return sources
+
+
+def _read(source: _Source, index: tuple[slice, ...], dtype) -> np.ndarray:
+    """The part ``index`` (one slice per dimension, in our layout) of a parameter, read from
+    its safetensors files as ``dtype``: only that part of each tensor is read (safetensors'
+    lazy slicing of the memory-mapped file). A stacked parameter's leading index selects
+    layers; a transposed one's index is reversed for the HF tensor and the part transposed
+    back. Each file is opened for one tensor read, so none of it stays mapped afterwards.
+    """
+    layers = range(len(source.names))
+    if source.stacked:
+        layers, index = layers[index[0]], index[1:]
+    hf_index = index[::-1] if source.transposed else index
+    parts = []
+    for i in layers:
+        with safe_open(source.files[i], framework="np") as f:
+            part = f.get_slice(source.names[i])[hf_index]
+        parts.append((part.T if source.transposed else part).astype(dtype))
+    return np.ascontiguousarray(np.stack(parts) if source.stacked else parts[0])
+
+
+def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
+    """Reads a HF Qwen2 directory into an NNX parameter State of host (numpy) arrays.
+
+    The arrays are cast to ``cfg.param_dtype`` (from any dtype on disk, bfloat16 included);
+    place them on devices with `jax.device_put` (see `mars_jax.sharding`), or use
+    `load_hf_sharded` to read only what each device holds. Raises ValueError for an unused
+    tensor (e.g. a dropped q/k/v bias would leave one), a missing parameter (e.g. an untied
+    model without ``lm_head``), or a shape mismatch, naming the tensor and its file; all are
+    checked from the file headers before any tensor is read.
+    """
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    sources = _sources(path, cfg, state)
+    full = lambda leaf: (slice(None),) * len(leaf.shape)
+    return jax.tree.map(lambda leaf, s: _read(s, full(leaf), leaf.dtype), state, sources)
+
+
+def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.State:
+    """Reads a HF Qwen2 directory straight into the sharded layout ``abstract``.
+
+    ``abstract`` is a parameter State of ``jax.ShapeDtypeStruct`` leaves with shardings (see
+    `mars_jax.sharding.abstract_params`); the result has the same tree with global
+    ``jax.Array`` leaves of those shapes, dtypes (converted from the dtype on disk, e.g.
+    bfloat16) and shardings. Each process reads from the safetensors files only the parts
+    that its own devices hold, each distinct part once (devices holding the same part, e.g.
+    along a data axis, share the read), so a process never holds the whole model on the host.
+
+    Raises FileNotFoundError without safetensors files, and ValueError, as `load_hf_state`,
+    for a missing, unused or wrongly shaped tensor, before any tensor data is read.
+    """
+    sources = _sources(path, cfg, abstract)
+
+    def place(leaf, source):
+        parts = {}
+
+        def part(index):
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in parts:
+                parts[key] = _read(source, index, leaf.dtype)
+            return parts[key]
+
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, part)
+
+    return jax.tree.map(place, abstract, sources)
 
 
 def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "float32"):

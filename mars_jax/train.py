@@ -63,9 +63,10 @@ def tokenizer_source(cfg) -> str | None:
 
 def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.State:
     """Parameters of a fresh run, placed as ``abstract`` (leaves with shardings): random (seed
-    ``cfg.seed``), from a HF directory, or from the latest checkpoint of another run."""
-    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    ``cfg.seed``), from a HF directory (each process reading only its devices' parts, see
+    `huggingface.load_hf_sharded`), or from the latest checkpoint of another run."""
     if not cfg.init_from:
+        shardings = jax.tree.map(lambda x: x.sharding, abstract)
         init = jax.jit(
             lambda: nnx.state(Qwen2(model_cfg, rngs=nnx.Rngs(cfg.seed))), out_shardings=shardings
         )
@@ -76,7 +77,7 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
         logging.info("initialized from %s step %d", cfg.init_from, step)
         return params
     logging.info("initialized from Hugging Face checkpoint %s", cfg.init_from)
-    return jax.device_put(huggingface.load_hf_state(cfg.init_from, model_cfg), shardings)
+    return huggingface.load_hf_sharded(cfg.init_from, model_cfg, abstract)
 
 
 def load_train_examples(cfg, tok):
