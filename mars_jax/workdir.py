@@ -118,8 +118,18 @@ def trained_block_size(workdir: str) -> int:
 
 
 def sharding_rules(workdir: str) -> sharding.Rules:
-    """The logical-axis rules of the run in ``workdir`` (its ``mesh.rules``)."""
-    return sharding.logical_rules(read_run_config(workdir)["mesh"]["rules"])
+    """The logical-axis rules of the run in ``workdir`` (its ``mesh.rules``).
+
+    Raises ValueError for a run written before the rules were part of the config (its
+    checkpoints also store the decoder layers unstacked, which this version cannot restore).
+    """
+    mesh = read_run_config(workdir)["mesh"]
+    if "rules" not in mesh:
+        raise ValueError(
+            f"{workdir} was written by an earlier mars-jax (no mesh.rules; decoder layers saved "
+            "one by one): export it with that version and start from the export (init_from)"
+        )
+    return sharding.logical_rules(mesh["rules"])
 
 
 def read_model_config(workdir: str, **overrides) -> ModelConfig:
