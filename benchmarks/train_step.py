@@ -1,6 +1,7 @@
 r"""Train-step speed of the AR and MARS objectives at equal batch and length, side by side.
 
-  python benchmarks/train_step.py --config=configs/tiny.py [--steps=10] [--peak_flops=...]
+  PYTHONPATH=. python benchmarks/train_step.py --config=configs/tiny.py [--steps=10] \
+      [--peak_flops=...]
 
 Builds the jitted train step of the config (`train_step.build_train_step`: its mesh, gradient
 accumulation and AdamW update) once per objective, with random parameters of ``config.model``
@@ -44,7 +45,9 @@ from mars_jax.model import ModelConfig
 from mars_jax.tokenizer import MASK_ID
 
 
-def step_flops(m: ModelConfig, *, rows: int, length: int, objective: str, max_label_tokens: int) -> float:
+def step_flops(
+    m: ModelConfig, *, rows: int, length: int, objective: str, max_label_tokens: int
+) -> float:
     """Model FLOPs of one train step (forward and backward) of ``rows`` sequences of ``length``
     tokens under ``objective`` ("ar" or "mars"); the formula of the module docstring."""
     width = m.num_heads * m.head_dim
@@ -130,7 +133,8 @@ def benchmark(cfg, *, steps: int, label_fraction: float, peak_flops: float | Non
         f"{jax.devices()[0].device_kind} x {devices}: batch {rows}, length {length}, "
         f"{label_fraction:.0%} labelled, grad_accum_steps {cfg.train.grad_accum_steps}, "
         f"remat {model_cfg.remat}, attention {model_cfg.attention}, dtype {model_cfg.dtype}; "
-        f"peak {peak / 1e12:.3f} TFLOP/s per device ({'given' if peak_flops else 'measured matmul'})"
+        f"peak {peak / 1e12:.3f} TFLOP/s per device "
+        f"({'given' if peak_flops else 'measured matmul'})"
     )
     print("| objective | step time (ms) | tokens/s | model TFLOP/step | MFU |")
     print("|---|---|---|---|---|")

@@ -1,6 +1,6 @@
 r"""Ahead-of-time memory plan of the train step on TPU topologies, from the real compiler.
 
-  python launch/memory_plan.py --config=configs/qwen0_5b.py:mars --topology=v5e:4x4 \
+  PYTHONPATH=. python launch/memory_plan.py --config=configs/qwen0_5b.py:mars --topology=v5e:4x4 \
       --grad_accum_steps=1,24 --remat=none,full [--json] [--config.key=value ...]
 
 Lowers and compiles the actual jitted train step (`train_step.build_train_step`) for an abstract
@@ -34,8 +34,9 @@ other scratch at the peak of XLA's buffer assignment) and ``code_bytes`` (the pr
     peak_bytes = argument_bytes + output_bytes - alias_bytes + temp_bytes + code_bytes
     fits       = peak_bytes <= hbm_bytes
 
-``hbm_bytes`` is the chip's nominal HBM (`TPUS`); the runtime keeps a little of it, so a row
-within a few percent of it is marginal. A row whose compile fails (e.g. the compiler runs out
+``hbm_bytes`` is the chip's nominal HBM (`TPUS`); the runtime keeps a little of it (libtpu's
+compiler counts 15.75 GiB of a v5e's 16 as available), so a row within a few percent of it is
+marginal. A row whose compile fails (e.g. the compiler runs out
 of HBM, or the mesh does not divide the model) is printed with its error and ``fits`` false;
 the sweep goes on.
 """
@@ -201,9 +202,9 @@ def _gib(n: int) -> str:
 
 def format_row(row: dict) -> str:
     """One markdown table row (see `HEADER`) of a plan row, sizes in GiB."""
+    mesh = "x".join(map(str, row["mesh"].values())) if "mesh" in row else "-"
     head = (
-        f"| {row['topology']} | {'x'.join(map(str, row['mesh'].values())) if 'mesh' in row else '-'}"
-        f" | {row['objective']} | "
+        f"| {row['topology']} | {mesh} | {row['objective']} | "
         f"{row['global_batch']} | {row['micro_batch']} | {row['remat']} | {row['attention']} | "
     )
     if "error" in row:
@@ -217,8 +218,9 @@ def format_row(row: dict) -> str:
 
 
 HEADER = (
-    "| topology | mesh (data x fsdp x tensor) | objective | global batch | micro batch | remat | attention | "
-    "argument GiB | output GiB | alias GiB | temp GiB | code GiB | peak GiB | HBM GiB | fits |\n"
+    "| topology | mesh (data x fsdp x tensor) | objective | global batch | micro batch | remat | "
+    "attention | argument GiB | output GiB | alias GiB | temp GiB | code GiB | peak GiB | "
+    "HBM GiB | fits |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
