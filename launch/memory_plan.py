@@ -140,7 +140,9 @@ def plan_row(cfg, topology: str, devices: list[jax.Device]) -> dict:
         "objective": cfg.objective.name,
         "global_batch": t.batch_size,
         "grad_accum_steps": t.grad_accum_steps,
-        "micro_batch": t.batch_size // t.grad_accum_steps,
+        "micro_batch": (
+            None if t.batch_size % t.grad_accum_steps else t.batch_size // t.grad_accum_steps
+        ),
         "max_length": cfg.data.max_length,
         "remat": cfg.model.remat,
         "attention": cfg.model.attention,
@@ -178,11 +180,11 @@ def plan_row(cfg, topology: str, devices: list[jax.Device]) -> dict:
 def sweep(cfg, *, topologies_: list[str], objectives: list[str], grad_accum_steps: list[int],
           remats: list[str], attentions: list[str], emit) -> list[dict]:
     """Calls ``emit(row)`` for every combination, compiled one after another in this process,
-    and returns the rows. ``cfg`` is not modified. Raises ValueError as `topology_devices` and
-    `plan_row`."""
+    and returns the rows. ``cfg`` is not modified. Raises ValueError and RuntimeError as
+    `topology_devices`, ValueError as `plan_row`."""
     rows = []
-    for topology in topologies_:
-        devices = topology_devices(topology)
+    devices_of = {t: topology_devices(t) for t in topologies_}  # bad names fail before compiling
+    for topology, devices in devices_of.items():
         for objective in objectives:
             for accum in grad_accum_steps:
                 for remat in remats:
@@ -205,10 +207,11 @@ def format_row(row: dict) -> str:
     mesh = "x".join(map(str, row["mesh"].values())) if "mesh" in row else "-"
     head = (
         f"| {row['topology']} | {mesh} | {row['objective']} | "
-        f"{row['global_batch']} | {row['micro_batch']} | {row['remat']} | {row['attention']} | "
+        f"{row['global_batch']} | {row['micro_batch'] or '-'} | {row['remat']} | "
+        f"{row['attention']} | "
     )
     if "error" in row:
-        return head + f"compile failed: {row['error']} | | | | | {_gib(row['hbm_bytes'])} | no |"
+        return head + f"failed: {row['error']} | | | | | | {_gib(row['hbm_bytes'])} | no |"
     return head + (
         f"{_gib(row['argument_bytes'])} | {_gib(row['output_bytes'])} | "
         f"{_gib(row['alias_bytes'])} | {_gib(row['temp_bytes'])} | {_gib(row['code_bytes'])} | "
@@ -257,6 +260,10 @@ def main() -> None:
         if cfg.objective.max_label_tokens <= 0:
             raise app.UsageError(
                 "set --config.objective.max_label_tokens > 0: a plan has no data to take it from"
+            )
+        if not libtpu_installed():
+            raise app.UsageError(
+                'libtpu is not installed: pip install "jax[tpu]==<the installed jax version>"'
             )
         if not as_json.value:
             print(HEADER, flush=True)
