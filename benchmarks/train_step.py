@@ -8,9 +8,11 @@ accumulation and AdamW update) once per objective, with random parameters of ``c
 (``init_from`` is not read) and a synthetic batch of the config's shape ``[train.batch_size,
 data.max_length]``: random token ids, the first ``1 - label_fraction`` of every row an unlabelled
 prompt and the rest a labelled answer, as in SFT data. The first step (compilation) is not
-timed; each objective's step time is the median of ``--steps`` steps, each ended by
-``jax.block_until_ready``. Runs unchanged on CPU, GPU or TPU (the config's mesh over all local
-devices).
+timed; then AR and MARS steps alternate, ``--steps`` of each, each ended by
+``jax.block_until_ready``, and each objective's step time is the median of its steps
+(alternating keeps a shared machine's load from favouring one of them). Both objectives' parameters
+and optimizer states are live at once. Runs unchanged on CPU, GPU or TPU (the config's mesh over
+all local devices).
 
 Model FLOPs per step (matmuls only; the backward pass counted as twice the forward):
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,9 +94,10 @@ def synthetic_batch(rows: int, length: int, label_fraction: float, seed: int = 0
     return {"input_ids": ids, "labels": labels}
 
 
-def time_objective(cfg, objective: str, batch: dict, *, steps: int) -> dict:
-    """Median step time (s) of ``objective``'s train step of run config ``cfg`` on ``batch``
-    (host arrays), the first step excluded, and the max_label_tokens it ran with."""
+def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float, float]], int]:
+    """The train step of ``objective`` for run config ``cfg`` on ``batch`` (host arrays), with
+    fresh random parameters and optimizer state: (a function that runs one step, waits for it
+    and returns (seconds, loss), the max_label_tokens the step was built with)."""
     c = cfg.copy_and_resolve_references()
     c.objective.name = objective
     c.init_from = ""
@@ -102,22 +106,19 @@ def time_objective(cfg, objective: str, batch: dict, *, steps: int) -> dict:
     obj = train_step.objective_settings(c, MASK_ID, examples)
     mesh, rules = sharding.mesh_from_config(c.mesh)
     graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
-    tx, _ = train_step.optimizer(c, num_steps=steps + 1)
+    tx, _ = train_step.optimizer(c, num_steps=1000)  # the schedule does not change the cost
     step = train_step.build_train_step(c, graphdef, abstract, obj, tx, mesh, rules)
     params = train.initial_params(c, model_cfg, abstract)
-    opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
+    state = [params, jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)]
     device_batch = jax.device_put(batch, step.batch_sharding)
 
-    times = []
-    for i in range(steps + 1):
+    def run_once():
         start = time.perf_counter()
-        params, opt_state, metrics = step.fn(params, opt_state, device_batch)
-        jax.block_until_ready((params, opt_state, metrics))
-        if i:  # the first step compiles
-            times.append(time.perf_counter() - start)
-    if not np.isfinite(float(metrics["loss"])):
-        raise FloatingPointError(f"{objective}: non-finite loss {float(metrics['loss'])}")
-    return {"step_s": statistics.median(times), "max_label_tokens": obj.max_label_tokens}
+        state[0], state[1], metrics = step.fn(state[0], state[1], device_batch)
+        jax.block_until_ready((state, metrics))
+        return time.perf_counter() - start, float(metrics["loss"])
+
+    return run_once, obj.max_label_tokens
 
 
 def benchmark(cfg, *, steps: int, label_fraction: float, peak_flops: float | None,
@@ -138,17 +139,28 @@ def benchmark(cfg, *, steps: int, label_fraction: float, peak_flops: float | Non
     )
     print("| objective | step time (ms) | tokens/s | model TFLOP/step | MFU |")
     print("|---|---|---|---|---|")
+    objectives = ("ar", "mars")
+    runners = {o: prepare(cfg, o, batch) for o in objectives}
+    times = {o: [] for o in objectives}
+    for o in objectives:
+        runners[o][0]()  # compiles
+    for _ in range(steps):  # alternating, so that a busy machine slows both alike
+        for o in objectives:
+            seconds, loss = runners[o][0]()
+            if not np.isfinite(loss):
+                raise FloatingPointError(f"{o}: non-finite loss {loss}")
+            times[o].append(seconds)
     out = []
-    for objective in ("ar", "mars"):
-        r = time_objective(cfg, objective, batch, steps=steps)
+    for objective in objectives:
+        step_s = statistics.median(times[objective])
         flops = step_flops(model_cfg, rows=rows, length=length, objective=objective,
-                           max_label_tokens=r["max_label_tokens"])
+                           max_label_tokens=runners[objective][1])
         row = {
             "objective": objective,
-            "step_s": r["step_s"],
-            "tokens_per_s": rows * length / r["step_s"],
+            "step_s": step_s,
+            "tokens_per_s": rows * length / step_s,
             "tflop_per_step": flops / 1e12,
-            "mfu": flops / r["step_s"] / (peak * devices),
+            "mfu": flops / step_s / (peak * devices),
         }
         out.append(row)
         print(
