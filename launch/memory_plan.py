@@ -68,9 +68,9 @@ GiB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class TPU:
-    """A TPU generation: the topology name prefix libtpu takes, the device kind it reports, the
-    chip configuration a real VM of it shows (v4 and v5p: "megacore", one device per chip) and
-    the HBM per chip in bytes."""
+    """A TPU generation (the prefix of a topology name): the device kind libtpu reports for it,
+    the chip configuration a real VM of it shows (v4 and v5p: "megacore", one device per chip)
+    and the HBM per chip in bytes."""
 
     device_kind: str
     chip_config: str
@@ -97,7 +97,7 @@ def topology_devices(name: str) -> list[jax.Device]:
     "v5p:2x2x2"), one per chip, hosts of at most 2x2x1 chips.
 
     Raises ValueError for an unknown generation or a malformed shape, RuntimeError when libtpu
-    is not installed.
+    is not installed or reports another device kind than `TPUS` (whose HBM would not apply).
     """
     generation, _, shape = name.partition(":")
     if generation not in TPUS:
@@ -110,15 +110,20 @@ def topology_devices(name: str) -> list[jax.Device]:
         raise ValueError(f"topology {name!r}: expected a shape like 4x4 or 2x2x2")
     if not libtpu_installed():
         raise RuntimeError('libtpu is not installed: pip install "jax[tpu]==<jax version>"')
-    dims += [1] * (3 - len(dims))
-    host_bounds = tuple(min(2, d) for d in dims[:2]) + (1,)
-    return topologies.get_topology_desc(
+    tpu = TPUS[generation]
+    devices = topologies.get_topology_desc(
         name,
         "tpu",
-        chip_config_name=TPUS[generation].chip_config,
-        chips_per_host_bounds=host_bounds,
+        chip_config_name=tpu.chip_config,
+        chips_per_host_bounds=(min(2, dims[0]), min(2, dims[1]), 1),
         num_slices=1,
     ).devices
+    if devices[0].device_kind != tpu.device_kind:
+        raise RuntimeError(
+            f"topology {name!r}: libtpu reports {devices[0].device_kind!r}, expected "
+            f"{tpu.device_kind!r}"
+        )
+    return devices
 
 
 def plan_row(cfg, topology: str, devices: list[jax.Device]) -> dict:
