@@ -24,11 +24,13 @@ attention term the dense score and value products (the "xla" attention computes 
 pair of the mask), and M = ``objective.max_label_tokens`` logits positions in each of s streams
 (1 for AR, 2 for MARS). MFU = model FLOPs / step time / (peak FLOP/s per device * devices).
 The peak is ``--peak_flops`` if given, else the FLOP/s of a square matmul in the compute dtype
-measured here on one device (a rough peak: on CPU it is what the BLAS reaches).
+measured here on one device (a rough peak: on CPU it is what the BLAS reaches; on a GPU or TPU
+pass the datasheet's dense figure for the compute dtype instead).
 
 tokens/s counts the L input tokens of every row for both objectives. The last line printed is
-``mars/ar step time ratio: X.XX``; MARS runs the decoder over 2L tokens, so about 2.0 is the
-floor.
+``mars/ar step time ratio: X.XX``. MARS runs the decoder over 2L tokens and computes logits in
+two streams, so about 2.0 is the floor where those dominate the step; costs that do not grow
+with the tokens (the AdamW update, the embedding gradient) can take a small model below it.
 """
 
 from __future__ import annotations
