@@ -1,0 +1,204 @@
+r"""Train-step speed of the AR and MARS objectives at equal batch and length, side by side.
+
+  PYTHONPATH=. python benchmarks/train_step.py --config=configs/tiny.py [--steps=10] \
+      [--peak_flops=...]
+
+Builds the jitted train step of the config (`train_step.build_train_step`: its mesh, gradient
+accumulation and AdamW update) once per objective, with random parameters of ``config.model``
+(``init_from`` is not read) and a synthetic batch of the config's shape ``[train.batch_size,
+data.max_length]``: random token ids, the first ``1 - label_fraction`` of every row an unlabelled
+prompt and the rest a labelled answer, as in SFT data. The first step (compilation) is not
+timed; then AR and MARS steps alternate, ``--steps`` of each, each ended by
+``jax.block_until_ready``, and each objective's step time is the median of its steps
+(alternating keeps a shared machine's load from favouring one of them). Both objectives' parameters
+and optimizer states are live at once. Runs unchanged on CPU, GPU or TPU (the config's mesh over
+all local devices).
+
+Model FLOPs per step (matmuls only; the backward pass counted as twice the forward):
+
+    3 * rows * [2 * W * T  +  4 * layers * T^2 * heads * head_dim  +  s * 2 * hidden * vocab * M]
+
+with W the weights of the decoder layers' matmuls (q, k, v, o, gate, up, down), T the tokens one
+row runs through the decoder (L for AR; 2L for MARS, whose input is ``[noisy | clean]``), the
+attention term the dense score and value products (the "xla" attention computes every query-key
+pair of the mask), and M = ``objective.max_label_tokens`` logits positions in each of s streams
+(1 for AR, 2 for MARS). MFU = model FLOPs / step time / (peak FLOP/s per device * devices).
+The peak is ``--peak_flops`` if given, else the FLOP/s of a square matmul in the compute dtype
+measured here on one device (a rough peak: on CPU it is what the BLAS reaches; on a GPU or TPU
+pass the datasheet's dense figure for the compute dtype instead).
+
+tokens/s counts the L input tokens of every row for both objectives. The last line printed is
+``mars/ar step time ratio: X.XX``. MARS runs the decoder over 2L tokens and computes logits in
+two streams, so about 2.0 is the floor where those dominate the step; costs that do not grow
+with the tokens (the AdamW update, the embedding gradient) can take a small model below it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from mars_jax import cli, data, sharding, train, train_step
+from mars_jax.model import ModelConfig
+from mars_jax.tokenizer import MASK_ID
+
+
+def step_flops(
+    m: ModelConfig, *, rows: int, length: int, objective: str, max_label_tokens: int
+) -> float:
+    """Model FLOPs of one train step (forward and backward) of ``rows`` sequences of ``length``
+    tokens under ``objective`` ("ar" or "mars"); the formula of the module docstring."""
+    width = m.num_heads * m.head_dim
+    kv_width = m.num_kv_heads * m.head_dim
+    weights = m.num_layers * (
+        m.hidden_size * width + 2 * m.hidden_size * kv_width + width * m.hidden_size
+        + 3 * m.hidden_size * m.intermediate_size
+    )
+    tokens, streams = (2 * length, 2) if objective == "mars" else (length, 1)
+    forward = (
+        2 * weights * tokens
+        + 4 * m.num_layers * tokens**2 * width
+        + streams * 2 * m.hidden_size * m.vocab_size * max_label_tokens
+    )
+    return 3.0 * rows * forward
+
+
+def matmul_peak(dtype: str, size: int, repeats: int = 5) -> float:
+    """FLOP/s of a ``size`` x ``size`` matmul in ``dtype`` on the default device (best of
+    ``repeats`` after a compiling run)."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(a))
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def synthetic_batch(rows: int, length: int, label_fraction: float, seed: int = 0) -> dict:
+    """{input_ids, labels} int32 [rows, length]: ids uniform over the ordinary Qwen2.5 tokens
+    (below the special ones), labels = ids on the last ``round(label_fraction * length)``
+    positions of each row and `data.IGNORE_INDEX` before them (prompt, then answer)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 151643, size=(rows, length), dtype=np.int32)
+    labels = np.full_like(ids, data.IGNORE_INDEX)
+    answer = max(1, round(label_fraction * length))
+    labels[:, length - answer:] = ids[:, length - answer:]
+    return {"input_ids": ids, "labels": labels}
+
+
+def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float, float]], int]:
+    """The train step of ``objective`` for run config ``cfg`` on ``batch`` (host arrays), with
+    fresh random parameters and optimizer state: (a function that runs one step, waits for it
+    and returns (seconds, loss), the max_label_tokens the step was built with)."""
+    c = cfg.copy_and_resolve_references()
+    c.objective.name = objective
+    c.init_from = ""
+    model_cfg = ModelConfig(**c.model)
+    examples = list(zip(batch["input_ids"], batch["labels"]))
+    obj = train_step.objective_settings(c, MASK_ID, examples)
+    mesh, rules = sharding.mesh_from_config(c.mesh)
+    graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
+    tx, _ = train_step.optimizer(c, num_steps=1000)  # the schedule does not change the cost
+    step = train_step.build_train_step(c, graphdef, abstract, obj, tx, mesh, rules)
+    params = train.initial_params(c, model_cfg, abstract)
+    state = [params, jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)]
+    device_batch = jax.device_put(batch, step.batch_sharding)
+
+    def run_once():
+        start = time.perf_counter()
+        state[0], state[1], metrics = step.fn(state[0], state[1], device_batch)
+        jax.block_until_ready((state, metrics))
+        return time.perf_counter() - start, float(metrics["loss"])
+
+    return run_once, obj.max_label_tokens
+
+
+def benchmark(cfg, *, steps: int, label_fraction: float, peak_flops: float | None,
+              matmul_size: int) -> list[dict]:
+    """Prints the side-by-side table (module docstring) ending with the ratio line, and returns
+    the two rows (objective, step_s, tokens_per_s, tflop_per_step, mfu)."""
+    rows, length = cfg.train.batch_size, cfg.data.max_length
+    batch = synthetic_batch(rows, length, label_fraction, seed=cfg.seed)
+    model_cfg = ModelConfig(**cfg.model)
+    devices = len(jax.devices())
+    peak = peak_flops or matmul_peak(model_cfg.dtype, matmul_size)
+    print(
+        f"{jax.devices()[0].device_kind} x {devices}: batch {rows}, length {length}, "
+        f"{label_fraction:.0%} labelled, grad_accum_steps {cfg.train.grad_accum_steps}, "
+        f"remat {model_cfg.remat}, attention {model_cfg.attention}, dtype {model_cfg.dtype}; "
+        f"peak {peak / 1e12:.3f} TFLOP/s per device "
+        f"({'given' if peak_flops else 'measured matmul'})"
+    )
+    print("| objective | step time (ms) | tokens/s | model TFLOP/step | MFU |")
+    print("|---|---|---|---|---|")
+    objectives = ("ar", "mars")
+    runners = {o: prepare(cfg, o, batch) for o in objectives}
+    times = {o: [] for o in objectives}
+    for o in objectives:
+        runners[o][0]()  # compiles
+    for _ in range(steps):  # alternating, so that a busy machine slows both alike
+        for o in objectives:
+            seconds, loss = runners[o][0]()
+            if not np.isfinite(loss):
+                raise FloatingPointError(f"{o}: non-finite loss {loss}")
+            times[o].append(seconds)
+    out = []
+    for objective in objectives:
+        step_s = statistics.median(times[objective])
+        flops = step_flops(model_cfg, rows=rows, length=length, objective=objective,
+                           max_label_tokens=runners[objective][1])
+        row = {
+            "objective": objective,
+            "step_s": step_s,
+            "tokens_per_s": rows * length / step_s,
+            "tflop_per_step": flops / 1e12,
+            "mfu": flops / step_s / (peak * devices),
+        }
+        out.append(row)
+        print(
+            f"| {objective} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:.0f} | "
+            f"{row['tflop_per_step']:.4f} | {row['mfu']:.1%} |",
+            flush=True,
+        )
+    return out
+
+
+def main() -> None:
+    config = cli.config_flag(help="Run config (model, batch, length, objective, mesh).")
+    steps = flags.DEFINE_integer("steps", 10, "Timed steps per objective (median reported).")
+    label_fraction = flags.DEFINE_float(
+        "label_fraction", 0.5, "Labelled (answer) fraction at the end of every row."
+    )
+    peak = flags.DEFINE_float(
+        "peak_flops", 0.0, "Peak FLOP/s per device for MFU (0: measure a matmul)."
+    )
+    matmul_size = flags.DEFINE_integer(
+        "matmul_size", 2048, "Side of the square matmul that measures the peak."
+    )
+
+    def run():
+        rows = benchmark(
+            config.value,
+            steps=steps.value,
+            label_fraction=label_fraction.value,
+            peak_flops=peak.value or None,
+            matmul_size=matmul_size.value,
+        )
+        print(json.dumps(rows))
+        print(f"mars/ar step time ratio: {rows[1]['step_s'] / rows[0]['step_s']:.2f}")
+
+    cli.run(run)
+
+
+if __name__ == "__main__":
+    main()
