@@ -1,6 +1,6 @@
 r"""Wall-clock decoding speed: MARS threshold decoding vs AR decoding with a KV cache.
 
-  python benchmarks/decode_speed.py --config=configs/gsm8k_tiny.py --workdir=runs/gsm8k_tiny/mars
+  PYTHONPATH=. python benchmarks/decode_speed.py --config=configs/gsm8k_tiny.py --workdir=runs/gsm8k_tiny/mars
 
 For each batch size, decodes the same evaluation prompts with (1) the AR baseline: block_size 1,
 threshold 1.0, i.e. one token per forward over a one-token window with the KV cache, and (2)
