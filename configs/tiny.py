@@ -67,7 +67,7 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "max_to_keep": 2,
         },
         # Device mesh axes (-1: the remaining devices) and the logical-axis sharding rules:
-        # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('fsdp','tensor')".
+        # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('data','fsdp')".
         "mesh": {"data": -1, "fsdp": 1, "tensor": 1, "rules": dict(DEFAULT_RULES)},
         # Multi-process runs (one process per host): all three set, or none. Unset (the
         # defaults), a Slurm, Open MPI, Cloud TPU pod or Kubernetes launch of several processes

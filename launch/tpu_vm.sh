@@ -34,7 +34,7 @@
 # Example (stage 1 of configs/qwen0_5b.py; the workdir must be on storage all workers share):
 #   bash launch/tpu_vm.sh -- python -m mars_jax.train --config=configs/qwen0_5b.py:ar \
 #     --workdir=/mnt/shared/runs/q05/ar --config.init_from=/mnt/shared/Qwen2.5-0.5B-Instruct \
-#     --config.data.train_path=/mnt/shared/sft.jsonl --config.mesh.rules.embed="('fsdp','tensor')"
+#     --config.data.train_path=/mnt/shared/sft.jsonl --config.mesh.rules.embed="('data','fsdp')"
 #
 # gcloud flags as documented for `gcloud compute tpus tpu-vm` and `gcloud compute tpus
 # queued-resources` (GA track); not run against a real project from this repository's CI.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Callable
 
 from absl import app, flags
@@ -42,6 +43,9 @@ def run(main: Callable[[], None]) -> None:
         quiet_library_logs()
         main()
 
+    # The flags defined here are the program's own: --help lists them with its other flags.
+    for flag in flags.FLAGS.get_flags_for_module(__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(absl_main)
 
 

@@ -23,7 +23,7 @@ from mars_jax.model import ModelConfig, abstract_model
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axes (empty: replicated). The form of config's ``mesh.rules``; overrides
-# from the command line are tuples, e.g. --config.mesh.rules.embed="('fsdp','tensor')".
+# from the command line are tuples, e.g. --config.mesh.rules.embed="('data','fsdp')".
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "length": (),
@@ -124,13 +124,21 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
     from the parameters' flax partitioning metadata (``nnx.get_partition_spec``) under
     ``rules``.
 
-    Raises ValueError for a parameter whose dimension is not divisible by its mesh axes.
+    Raises ValueError for a parameter whose rules use a mesh axis twice, or whose dimension is
+    not divisible by its mesh axes.
     """
     with nnx.logical_axis_rules(_with_unnamed_replicated(state, rules)):
         specs = nnx.get_partition_spec(state)
 
     def one(path, var, spec):
         spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+        used = [a for axes in spec if axes for a in (axes if isinstance(axes, tuple) else (axes,))]
+        if len(used) != len(set(used)):
+            names = var.get_metadata().get("out_sharding")
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)}: its axes {names} map to {spec}, which "
+                "uses a mesh axis twice; give these logical axes disjoint mesh axes in mesh.rules"
+            )
         for dim, axes in zip(var.shape, spec):
             if dim % axis_size(mesh, axes):
                 raise ValueError(

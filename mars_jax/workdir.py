@@ -72,6 +72,9 @@ _RESUMABLE_CHANGES = (
     "distributed.num_processes",
     "distributed.process_id",
 )
+# Sections that only configure other commands: eval is read by `mars_jax.evaluate`, and
+# `two_stage.sh` passes the same flags to training and evaluation.
+_RESUMABLE_SECTIONS = ("eval.",)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -103,7 +106,9 @@ def check_same_run(workdir: str, run_config_json: str) -> None:
     diff = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(saved.keys() | new.keys())
-        if saved.get(k) != new.get(k) and k not in _RESUMABLE_CHANGES
+        if saved.get(k) != new.get(k)
+        and k not in _RESUMABLE_CHANGES
+        and not k.startswith(_RESUMABLE_SECTIONS)
     ]
     if diff:
         raise ValueError(

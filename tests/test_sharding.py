@@ -191,6 +191,8 @@ heads_cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 56, "num_heads": 14, "
 mesh_214 = sharding.make_mesh(data=2, fsdp=1, tensor=4)
 out["heads_error"] = error(lambda: sharding.abstract_params(heads_cfg, mesh_214, rules))
 out["rules_error"] = error(lambda: sharding.logical_rules({"embed": ("model",)}))
+twice = sharding.logical_rules({**sharding.DEFAULT_RULES, "embed": ("fsdp", "tensor")})
+out["twice_error"] = error(lambda: sharding.abstract_params(cfg, mesh8, twice))
 ok_state = nnx.state(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
 out["divisible_ok"] = error(lambda: sharding.param_shardings(ok_state, mesh_142, rules))
 print("RESULT " + json.dumps(out))
@@ -286,6 +288,9 @@ def test_rules_come_from_the_table(result):
     assert result["custom_up_spec"] == [None, None, ["fsdp", "tensor"]]
     err = result["rules_error"]
     assert err is not None and "mesh.rules.embed" in err and "model" in err
+    # embed -> (fsdp, tensor) meets vocab/heads/mlp -> tensor in one parameter.
+    err = result["twice_error"]
+    assert err is not None and "mesh axis twice" in err and "parameter" in err
 
 
 def test_tensor_parallel_must_not_split_heads(result):

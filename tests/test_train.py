@@ -454,6 +454,17 @@ def test_resume_refuses_a_changed_config(stage1):
     with pytest.raises(ValueError, match=r"objective\.name: 'ar' -> 'mars'"):
         train.train(get_config("mars"), workdir)
     assert open(os.path.join(workdir, "config.json")).read() == before  # nothing rewritten
+    # The eval section configures evaluation only: a run resumes (here: is complete) with another.
+    assert train.train(get_config("ar", eval__num_examples=8), workdir) == {}
+
+
+def test_help_lists_the_program_flags():
+    for module, names in [("mars_jax.train", ("--config", "--workdir")),
+                          ("mars_jax.evaluate", ("--config", "--workdir", "--step")),
+                          ("mars_jax.generate", ("--workdir", "--prompt", "--threshold"))]:
+        proc = run_cli(module, "--help", check=False)  # absl's --help exits 1 (issue 9)
+        for name in names:
+            assert name in proc.stdout, (module, name)
 
 
 def test_grad_accumulation_equals_whole_batch():
