@@ -58,16 +58,20 @@ def attend(
     if implementation == "splash":
         return _splash(q, k, v, mask, interpret=interpret)
     if implementation == "cudnn":
-        r, t, s = q.shape[0], q.shape[1], k.shape[1]
-        full = jnp.broadcast_to(jnp.asarray(mask), (r, t, s))[:, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=full, implementation="cudnn")
-    raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        return _dense(q, k, v, mask, fused="cudnn")
+    raise ValueError(
+        f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+    )
 
 
-def _dense(q, k, v, mask):
+def _dense(q, k, v, mask, fused: str | None = None):
+    """``jax.nn.dot_product_attention`` over the mask broadcast to [R, 1, T, S]; ``fused`` is its
+    ``implementation`` (None: XLA)."""
     r, t, s = q.shape[0], q.shape[1], k.shape[1]
     full = jnp.broadcast_to(jnp.asarray(mask), (r, t, s))[:, None]
-    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=full)
+    return jax.nn.dot_product_attention(
+        q, k.astype(q.dtype), v.astype(q.dtype), mask=full, implementation=fused
+    )
 
 
 def _chunked(q, k, v, mask):
