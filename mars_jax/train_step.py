@@ -146,10 +146,12 @@ class TrainStep:
 
     @property
     def abstract_inputs(self) -> tuple:
+        """(params, opt_state, batch) as abstract arrays: ``fn.lower(*abstract_inputs)``."""
         return self.abstract_params, self.abstract_opt_state, self.abstract_batch
 
     @property
     def opt_state_shardings(self):
+        """The optimizer state's NamedShardings (e.g. ``out_shardings`` of ``tx.init``)."""
         return jax.tree.map(lambda x: x.sharding, self.abstract_opt_state)
 
 
