@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mars_jax import sharding
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
 # The Orbax items of a checkpoint step.
