@@ -1,37 +1,69 @@
 """MARS threshold decoding with a functional KV cache (arXiv 2604.07023, Sec. 3.3).
 
-Each forward scores the next ``block_size`` positions of every row at once: the committed
+Each forward scores the next ``block_size`` (B) positions of every row at once: the committed
 text followed by ``<|mask|>`` tokens. With the right-shifted logits, the output at the last
 committed position n-1 is the ordinary AR prediction of token n, and the output at the mask
-standing for position n+i-1 predicts token n+i (i = 1..B-1). Candidates are accepted left to
-right while their confidence (probability of the chosen token) is >= ``threshold``; the first is
-always accepted, so threshold 1.0 is one-token mode and reproduces greedy AR decoding exactly.
-The mask for position n+B-1 would only predict a token outside the block and, under causal
-attention, influences no candidate, so it is not fed.
+standing for position n+i-1 predicts token n+i (i = 1..B-1). The first candidate is always
+accepted, so one-token mode (threshold 1.0) reproduces greedy AR decoding exactly; later ones
+are accepted left to right as the acceptance ``rule`` says:
 
-Unlike the reference's block cache, every row keeps its own cursor: a row never waits for the
-others at block boundaries. Per step and row, the forward window starts at the first position
-whose key/value is not cached yet (the tokens accepted by the previous step, 1..B of them), so
-the window has ``2B - 1`` slots: at most B committed tokens and B-1 masks. Cache slots at or
-past a row's cursor may hold stale values; they are always rewritten before being attended.
+- ``prob`` (the paper's default), ``entropy``, ``margin``: while the candidate's confidence is
+  >= threshold. Confidence is the chosen token's probability; exp(-entropy) of the distribution
+  (1 for a one-hot, 1/k for a uniform choice among k); or the chosen token's probability minus
+  the largest other one. These are the reference's acceptance metrics, put on one [0, 1] scale.
+- ``verify`` (lossless): the candidates after the first become *drafts*; the next forward feeds
+  them as ordinary tokens, and keeps the longest run of drafts equal to the AR predictions made
+  in that same forward, plus the AR token after it. The output is greedy AR decoding token for
+  token; the threshold only chooses how many drafts are proposed.
+
+Cache modes (``cache_mode``):
+
+- ``sliding`` (default): every row keeps its own cursor and never waits for the others. Per
+  step and row, the window starts at the first position whose key/value is not cached yet (the
+  tokens accepted by the previous step), followed by the drafts (``verify``) and B-1 masks: at
+  most 2B-1 slots. With ``adaptive_window`` a step whose rows all need at most B slots (one
+  uncached token, no drafts) runs a B-slot window instead.
+- ``block``: the reference's block cache (its block-cached sampler; the scheme of the paper's
+  Table 5). Blocks of B positions are aligned to the start of generation. Each forward feeds
+  the current block (accepted tokens, masks elsewhere) against the cache of the prefix; the
+  block's first token comes from the prefix's last output. Once every row has filled its block,
+  one more forward writes the block to the cache, so rows wait for each other at block ends.
+- ``none``: no cache; every step recomputes the whole sequence (the plain semantics, for tests).
+
+AR decoding is ``block_size=1`` in every mode. Cache slots at or past a row's cursor may hold
+stale values; they are always rewritten before being attended.
+
+Under a ``mesh`` the decoder runs sharded by the training rules: parameters as placed (see
+`mars_jax.workdir.load_model`), rows over the batch axes, the KV cache's KV heads over
+``tensor`` (`mars_jax.model.CACHE_AXES`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from mars_jax.model import KVCache, Qwen2, init_cache
+from mars_jax.model import (
+    KVCache,
+    Qwen2,
+    causal_mask,
+    init_cache,
+    with_logical_constraint,
+)
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 DEFAULT_EOS_IDS = (IM_END_ID, ENDOFTEXT_ID)
+CACHE_MODES = ("sliding", "block", "none")
+RULES = ("prob", "entropy", "margin", "verify")
 
 
 @dataclasses.dataclass
@@ -41,7 +73,8 @@ class DecodeOutput:
     tokens: int32 [R, max_new_tokens], the completion cut before the first EOS, then padded with
       <|endoftext|>. lengths: int32 [R], completion lengths (EOS excluded).
     accepted: int32 [R], tokens accepted per row, the EOS included (what the forwards produced).
-    row_forwards: int32 [R], decoding forwards in which each row was still active.
+    row_forwards: int32 [R], decoding forwards in which each row was still active (in ``block``
+      mode this includes forwards spent waiting for other rows and writing blocks to the cache).
     forwards: int, decoding forwards of the whole batch (the prefill is not counted); summed
       over batches by `concatenate`.
     """
@@ -93,160 +126,330 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, rows: int | None 
 
 
 def _rowwise_slice(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
-    """x [R, N, ...] -> [R, size, ...], row r starting at start[r]."""
+    """x [R, N, ...] -> [R, size, ...], row r starting at start[r] (clamped into range)."""
     return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size, axis=0))(x, start)
 
 
 def _rowwise_update(x: jax.Array, update: jax.Array, start: jax.Array) -> jax.Array:
+    """x [R, N, ...] with update [R, U, ...] written at start[r] in row r."""
     return jax.vmap(lambda r, u, s: jax.lax.dynamic_update_slice_in_dim(r, u, s, axis=0))(
         x, update, start
     )
 
 
-def _accepted(token, conf, threshold, eos, budget):
-    """How many of a step's B candidates each row accepts (Sec. 3.3).
+def confidence(logits: jax.Array, token: jax.Array, rule: str) -> jax.Array:
+    """float32 [...]: the confidence of choosing ``token`` [...] from ``logits`` [..., V] under
+    acceptance ``rule`` (module docstring): probability (``prob``, ``verify``), exp(-entropy)
+    (``entropy``), or probability minus the largest other probability (``margin``)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    p_token = jnp.exp(jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0])
+    if rule == "entropy":
+        p = jnp.exp(logp)
+        return jnp.exp(jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1))
+    if rule == "margin":
+        top2, idx = jax.lax.top_k(logp, 2)
+        other = jnp.where(idx[..., 0] == token, top2[..., 1], top2[..., 0])
+        return p_token - jnp.exp(other)
+    return p_token
 
-    token int32 [R, B] and conf float32 [R, B]: the candidates and their confidences; budget
-    int32 [R]: tokens left to each row. The first candidate is always accepted, later ones left
-    to right while conf >= threshold (none when threshold >= 1.0, one-token mode); acceptance
-    stops after an EOS and at the budget. Returns (count int32 [R] in 1..B where budget >= 1,
-    hit_eos bool [R]: an accepted candidate is an EOS).
+
+def _count(token: jax.Array, ok: jax.Array, eos: jax.Array, budget: jax.Array):
+    """How many of a step's candidates each row accepts.
+
+    token int32 [R, C] candidates; ok bool [R, C]: whether candidate i may follow candidate i-1
+    (the first is always accepted); budget int32 [R]: the most tokens the row may accept now.
+    Acceptance runs left to right while ok, stops after an EOS and at the budget. Returns
+    (count int32 [R] in 1..C where budget >= 1, hit_eos bool [R]: an accepted candidate is EOS).
     """
-    ok = (conf >= threshold) & ~(threshold >= 1.0)
     ok = ok.at[:, 0].set(True)
     is_eos = jnp.isin(token, eos)
     after_eos = jnp.cumsum(is_eos, axis=1) - is_eos > 0
     count = jnp.minimum(jnp.cumprod(ok & ~after_eos, axis=1).sum(axis=1), budget)
     hit_eos = jnp.any(is_eos & (jnp.arange(token.shape[1])[None] < count[:, None]), axis=1)
-    return count, hit_eos
+    return count.astype(jnp.int32), hit_eos
+
+
+def _confident(conf: jax.Array, threshold: jax.Array) -> jax.Array:
+    """bool [R, C]: conf [R, C] >= the row's threshold [R]; never where threshold >= 1.0
+    (one-token mode, even where a probability rounds to 1.0)."""
+    return (conf >= threshold[:, None]) & (threshold[:, None] < 1.0)
 
 
 @flax.struct.dataclass
 class DecodeState:
     """The state carried by the decoding loop (`_generate`'s ``lax.while_loop``), for R rows
-    and S cache slots (positions; prompt + budget + room for one window).
+    and S slots (positions; prompt + budget + room for one window).
 
-    cache: `KVCache`, per layer {"k", "v"} [R, S, K, H]; row r's slots below ``cache_cursor[r]``
-      hold the keys/values of its committed tokens (later slots are stale or empty).
-    tokens: int32 [R, S], each row's prompt then its accepted tokens (entries at or past
-      ``committed`` are stale).
+    cache: `KVCache`, per layer {"k", "v"} [R, S, K, H] (None in ``none`` mode); row r's slots
+      below ``cache_cursor[r]`` hold the keys/values of its committed tokens.
+    tokens: int32 [R, S], each row's prompt then its accepted tokens; past ``committed`` it holds
+      the row's pending drafts (``verify``), or the prefix's prediction of the block's first
+      token (``block``), then stale entries.
     committed: int32 [R], tokens committed so far (prompt + accepted): the position of the next
       token to decode.
-    cache_cursor: int32 [R], first position whose key/value is not cached yet; the tokens
-      between it and ``committed`` (those accepted by the last step) start the next window.
+    cache_cursor: int32 [R], first position whose key/value is not cached yet (``block``: the
+      start of the row's current block); the tokens from it up to ``committed`` start the next
+      window.
+    num_drafts: int32 [R], drafts waiting at tokens[committed : committed + num_drafts], fed as
+      ordinary tokens by the next forward (``verify`` only; 0 otherwise).
     new_tokens: int32 [R], tokens accepted so far (an EOS included).
     done: bool [R], the row accepted an EOS or reached ``max_new_tokens``.
     row_forwards: int32 [R], forwards in which the row was active.
     forwards: int32 [], forwards of the batch.
     """
 
-    cache: KVCache
+    cache: KVCache | None
     tokens: jax.Array
     committed: jax.Array
     cache_cursor: jax.Array
+    num_drafts: jax.Array
     new_tokens: jax.Array
     done: jax.Array
     row_forwards: jax.Array
     forwards: jax.Array
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "block_size", "max_new_tokens", "eos_ids", "mask_id", "sampling"),
-)
-def _generate(
-    graphdef,
-    params,
-    prompt_ids,
-    prompt_lengths,
-    threshold,
-    temperature,
-    rng,
-    *,
-    block_size: int,
-    max_new_tokens: int,
-    eos_ids: tuple[int, ...],
-    mask_id: int,
-    sampling: bool,
-):
-    model: Qwen2 = nnx.merge(graphdef, params)
-    rows, prompt_len = prompt_ids.shape
-    window = 2 * block_size - 1  # at most B uncached committed tokens, then B-1 masks
-    slots = prompt_len + max_new_tokens + 2 * window
-    slot_ids = jnp.arange(slots)
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The static settings of one decoder program (hashable: part of the jit cache key)."""
 
-    # Prefill: every prompt token's key/value; slots past a row's prompt hold stale values.
-    cache = init_cache(model.cfg, rows, slots)
-    positions = jnp.broadcast_to(jnp.arange(prompt_len), (rows, prompt_len))
-    _, cache = model(
-        prompt_ids,
-        positions,
-        slot_ids[None, None, :] <= positions[:, :, None],
-        cache,
-        jnp.zeros((rows,), jnp.int32),
-    )
+    block_size: int
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    mask_id: int
+    sampling: bool
+    cache_mode: str
+    rule: str
+    adaptive_window: bool
+    mesh: Mesh | None
+    rules: Any  # flax logical-axis rules ((name, mesh axes), ...) or None
+    on_accept: Callable | None
 
-    eos = jnp.asarray(eos_ids, jnp.int32)
+    @property
+    def max_forwards(self) -> int:
+        """Forwards that finish every row: each active row accepts >= 1 token per forward,
+        except in ``block`` mode, which adds one cache-writing forward per block."""
+        b, n = self.block_size, self.max_new_tokens
+        return n + (-(-n // b) if self.cache_mode == "block" and b > 1 else 0)
 
-    def step(s: DecodeState) -> DecodeState:
-        # Window: uncached committed tokens, then masks; slot j sits at position cache_cursor + j.
-        pos = s.cache_cursor[:, None] + jnp.arange(window)
-        ids = jnp.where(
-            pos < s.committed[:, None], _rowwise_slice(s.tokens, s.cache_cursor, window), mask_id
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+def _generate(graphdef, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
+              rng, *, settings: _Settings):
+    context = contextlib.ExitStack()
+    if settings.mesh is not None:
+        context.enter_context(jax.sharding.use_abstract_mesh(settings.mesh.abstract_mesh))
+        context.enter_context(nnx.logical_axis_rules(settings.rules))
+    with context:
+        return _decode(
+            nnx.merge(graphdef, params), prompt_ids, prompt_lengths, threshold, max_accept,
+            temperature, rng, settings,
         )
-        mask = slot_ids[None, None, :] <= pos[:, :, None]
-        hidden, cache = model(ids, pos, mask, s.cache, s.cache_cursor)
-        # Outputs at positions committed-1 .. committed+B-2 predict tokens committed .. +B-1.
-        first = s.committed - s.cache_cursor - 1
-        logits = model.logits(_rowwise_slice(hidden, first, block_size))  # [R, B, V]
-        if sampling:
-            logits = logits / temperature
-            key = jax.random.fold_in(rng, s.forwards)
-            token = jax.random.categorical(key, logits, axis=-1)
-        else:
-            token = jnp.argmax(logits, axis=-1)
-        token = token.astype(jnp.int32)
-        probs = jax.nn.softmax(logits, axis=-1)
-        conf = jnp.take_along_axis(probs, token[..., None], axis=-1)[..., 0]
-        count, hit_eos = _accepted(token, conf, threshold, eos, max_new_tokens - s.new_tokens)
+
+
+def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, temperature, rng,
+            st: _Settings):
+    """The decoding program (traced inside `_generate`); arguments as in `generate`."""
+    B = st.block_size
+    rows, prompt_len = prompt_ids.shape
+    window = 2 * B - 1  # at most B uncached tokens (or 1 token and B-1 drafts), then B-1 masks
+    slots = prompt_len + st.max_new_tokens + 2 * window
+    slot_ids = jnp.arange(slots)
+    eos = jnp.asarray(st.eos_ids, jnp.int32)
+    rowwise = lambda x: with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1))
+
+    def project(hidden: jax.Array) -> jax.Array:
+        """fp32 logits [R, C, V] of hidden states [R, C, D], divided by the temperature when
+        sampling (confidences are then those of the distribution sampled from)."""
+        logits = model.logits(hidden)
+        return logits / temperature if st.sampling else logits
+
+    def choose(logits: jax.Array, forwards: jax.Array) -> jax.Array:
+        """int32 [R, C]: greedy or sampled candidates from `project`'s logits [R, C, V]."""
+        if st.sampling:
+            key = jax.random.fold_in(rng, forwards)
+            return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def forward(ids, start, cache):
+        """ids [R, W] at positions start[r] + 0..W-1 against the cache (written first), or a
+        full causal forward from position 0 without a cache. Returns (hidden [R, W, D], cache)."""
+        pos = start[:, None] + jnp.arange(ids.shape[1])
+        if cache is None:
+            return model(ids, pos, causal_mask(ids.shape[1]))
+        return model(ids, pos, slot_ids[None, None, :] <= pos[:, :, None], cache, start)
+
+    def budget(s: DecodeState) -> jax.Array:
+        return jnp.minimum(st.max_new_tokens - s.new_tokens, max_accept)
+
+    def advance(s, *, cache, tokens, count, hit_eos, cache_cursor, num_drafts=None, accepted=None,
+                forward=True):
+        """The next state after a forward (``forward``: counted as one) in which each active row
+        accepted ``count`` tokens, the first ``count`` of ``accepted`` [R, C]."""
         active = ~s.done
         count = jnp.where(active, count, 0)
+        if st.on_accept is not None and accepted is not None:
+            jax.debug.callback(st.on_accept, accepted, count, ordered=True)
         new_tokens = s.new_tokens + count
+        keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
         return DecodeState(
             cache=cache,
-            tokens=jnp.where(
-                active[:, None], _rowwise_update(s.tokens, token, s.committed), s.tokens
-            ),
+            tokens=rowwise(keep(tokens, s.tokens)),
             committed=s.committed + count,
-            cache_cursor=jnp.where(active, s.committed, s.cache_cursor),
+            cache_cursor=keep(cache_cursor, s.cache_cursor),
+            num_drafts=s.num_drafts if num_drafts is None else keep(num_drafts, s.num_drafts),
             new_tokens=new_tokens,
-            done=s.done | hit_eos | (new_tokens >= max_new_tokens),
-            row_forwards=s.row_forwards + active,
-            forwards=s.forwards + 1,
+            done=s.done | hit_eos | (new_tokens >= st.max_new_tokens),
+            row_forwards=s.row_forwards + (active & forward),
+            forwards=s.forwards + forward,
         )
 
-    def cond(s: DecodeState) -> jax.Array:
-        # Every active row accepts >= 1 token per forward, so max_new_tokens forwards finish
-        # every row; the bound also ends the loop should a step ever accept nothing.
-        return ~jnp.all(s.done) & (s.forwards < max_new_tokens)
+    # -- sliding / none: a window from the first uncached position ------------------------------
+    def window_step(s: DecodeState, width: int) -> DecodeState:
+        start = s.cache_cursor if s.cache is not None else jnp.zeros_like(s.cache_cursor)
+        fed = s.committed + s.num_drafts  # committed tokens and drafts; masks after them
+        pos = start[:, None] + jnp.arange(width)
+        ids = jnp.where(pos < fed[:, None], _rowwise_slice(s.tokens, start, width), st.mask_id)
+        hidden, cache = forward(ids, start, s.cache)
+        # Output at position committed-1+i predicts token committed+i (i < B).
+        first = s.committed - 1 - start
+        logits = project(_rowwise_slice(hidden, first, B))  # [R, B, V]
+        token = choose(logits, s.forwards)
+        if st.rule != "verify":
+            ok = _confident(confidence(logits, token, st.rule), threshold)
+            count, hit_eos = _count(token, ok, eos, budget(s))
+            return advance(
+                s, cache=cache, tokens=_rowwise_update(s.tokens, token, s.committed),
+                count=count, hit_eos=hit_eos, cache_cursor=s.committed, accepted=token,
+            )
+        # verify: candidate i (i >= 1) is the AR prediction after draft i-1; it is exact while
+        # every draft before it equals the AR prediction at its position.
+        drafts = _rowwise_slice(s.tokens, s.committed, B)
+        i = jnp.arange(1, B)[None]
+        ok = jnp.pad((i <= s.num_drafts[:, None]) & (drafts[:, :-1] == token[:, :-1]), ((0, 0), (1, 0)))
+        count, hit_eos = _count(token, ok, eos, budget(s))
+        tokens = _rowwise_update(s.tokens, token, s.committed)
+        # New drafts: the masks after the last draft predict the tokens after the AR token that
+        # follows it; they are valid only where every draft was accepted.
+        if B > 1:
+            draft_logits = project(_rowwise_slice(hidden, first + s.num_drafts + 1, B - 1))
+            new_drafts = choose(draft_logits, s.forwards)
+            sure = _confident(confidence(draft_logits, new_drafts, "prob"), threshold)
+            # The next step accepts at most its drafts + 1 tokens: no more drafts than that uses.
+            room = jnp.minimum(st.max_new_tokens - s.new_tokens - count, max_accept) - 1
+            num = jnp.minimum(jnp.cumprod(sure, axis=1).sum(axis=1), jnp.maximum(room, 0))
+            all_ok = (count == s.num_drafts + 1) & ~hit_eos
+            num_drafts = jnp.where(all_ok, num, 0).astype(jnp.int32)
+            tokens = _rowwise_update(tokens, new_drafts, s.committed + count)
+        else:
+            num_drafts = jnp.zeros_like(s.num_drafts)
+        return advance(
+            s, cache=cache, tokens=tokens, count=count, hit_eos=hit_eos,
+            cache_cursor=s.committed + count - 1, num_drafts=num_drafts, accepted=token,
+        )
 
+    def sliding_step(s: DecodeState) -> DecodeState:
+        if s.cache is None:
+            return window_step(s, slots)
+        if not st.adaptive_window or B == 1:
+            return window_step(s, window)
+        # The widest window an active row needs: its uncached tokens and drafts, then B-1 masks.
+        need = jnp.max(jnp.where(s.done, 0, s.committed + s.num_drafts - s.cache_cursor)) + B - 1
+        return jax.lax.cond(
+            need <= B, lambda s: window_step(s, B), lambda s: window_step(s, window), s
+        )
+
+    # -- block: the reference's block cache -------------------------------------------------------
+    block_pos = jnp.arange(B)
+
+    def block_fill(s: DecodeState) -> DecodeState:
+        start = s.cache_cursor
+        filled = s.committed - start
+        block = _rowwise_slice(s.tokens, start, B)
+        ids = jnp.where(block_pos[None] < filled[:, None], block, st.mask_id)
+        hidden, cache = forward(ids, start, s.cache)  # its block keys/values are rewritten later
+        # Candidate for block position i: the prefix's prediction (i = 0) or slot i-1's output.
+        logits = project(hidden[:, : B - 1])
+        token = choose(logits, s.forwards)
+        conf = confidence(logits, token, st.rule)
+        cand = jnp.concatenate([block[:, :1], token], axis=1)  # [R, B]
+        conf = jnp.concatenate([jnp.ones_like(conf[:, :1]), conf], axis=1)
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, B)))
+        cand = _rowwise_slice(pad(cand), filled, B)
+        ok = _confident(_rowwise_slice(pad(conf), filled, B), threshold)
+        count, hit_eos = _count(cand, ok, eos, jnp.minimum(budget(s), B - filled))
+        return advance(
+            s, cache=cache, tokens=_rowwise_update(s.tokens, cand, s.committed),
+            count=count, hit_eos=hit_eos, cache_cursor=start, accepted=cand,
+        )
+
+    def block_commit(s: DecodeState) -> DecodeState:
+        start = s.cache_cursor
+        hidden, cache = forward(_rowwise_slice(s.tokens, start, B), start, s.cache)
+        token = choose(project(hidden[:, B - 1 :]), s.forwards)  # the next block's first
+        zero = jnp.zeros_like(start)
+        return advance(
+            s, cache=cache, tokens=_rowwise_update(s.tokens, token, start + B), count=zero,
+            hit_eos=zero.astype(bool), cache_cursor=start + B,
+        )
+
+    def block_step(s: DecodeState) -> DecodeState:
+        if B == 1:  # the block's one token is the prefix's prediction: accept it, then commit
+            pending = _rowwise_slice(s.tokens, s.committed, 1)
+            count, hit_eos = _count(pending, jnp.ones((rows, 1), bool), eos, budget(s))
+            s = advance(
+                s, cache=s.cache, tokens=s.tokens, count=count, hit_eos=hit_eos,
+                cache_cursor=s.cache_cursor, accepted=pending, forward=False,
+            )
+            return jax.lax.cond(jnp.all(s.done), lambda s: s, block_commit, s)
+        full = jnp.all(s.done | (s.committed - s.cache_cursor == B))
+        return jax.lax.cond(full, block_commit, block_fill, s)
+
+    # -- prefill and loop -------------------------------------------------------------------------
+    positions = jnp.broadcast_to(jnp.arange(prompt_len), (rows, prompt_len))
+    tokens = rowwise(jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids))
+    if st.cache_mode == "none":
+        cache, cache_cursor = None, jnp.zeros_like(prompt_lengths)
+    else:
+        # Every prompt token's key/value; slots past a row's prompt hold stale values.
+        cache = init_cache(model.cfg, rows, slots)
+        hidden, cache = model(
+            prompt_ids, positions, slot_ids[None, None, :] <= positions[:, :, None], cache,
+            jnp.zeros((rows,), jnp.int32),
+        )
+        # sliding: the last prompt token starts the first window; block: the first block starts
+        # after the prompt, and its first token is predicted from the prompt's last output.
+        if st.cache_mode == "sliding":
+            cache_cursor = prompt_lengths - 1
+        else:
+            cache_cursor = prompt_lengths
+            last = _rowwise_slice(hidden, prompt_lengths - 1, 1)
+            first = choose(project(last), jnp.int32(st.max_forwards))  # a key no step uses
+            tokens = _rowwise_update(tokens, first, prompt_lengths)
     init = DecodeState(
         cache=cache,
-        tokens=jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids),
+        tokens=tokens,
         committed=prompt_lengths,
-        cache_cursor=prompt_lengths - 1,
+        cache_cursor=cache_cursor,
+        num_drafts=jnp.zeros((rows,), jnp.int32),
         new_tokens=jnp.zeros((rows,), jnp.int32),
         done=jnp.zeros((rows,), bool),
         row_forwards=jnp.zeros((rows,), jnp.int32),
         forwards=jnp.int32(0),
     )
+
+    def cond(s: DecodeState) -> jax.Array:
+        # The bound also ends the loop should a step ever accept nothing.
+        return ~jnp.all(s.done) & (s.forwards < st.max_forwards)
+
+    step = block_step if st.cache_mode == "block" else sliding_step
     s = jax.lax.while_loop(cond, step, init)
 
-    out = _rowwise_slice(s.tokens, prompt_lengths, max_new_tokens)
-    within = jnp.arange(max_new_tokens)[None] < s.new_tokens[:, None]
+    out = _rowwise_slice(s.tokens, prompt_lengths, st.max_new_tokens)
+    within = jnp.arange(st.max_new_tokens)[None] < s.new_tokens[:, None]
     is_eos = jnp.isin(out, eos) & within
     lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
-    out = jnp.where(jnp.arange(max_new_tokens)[None] < lengths[:, None], out, ENDOFTEXT_ID)
+    out = jnp.where(jnp.arange(st.max_new_tokens)[None] < lengths[:, None], out, ENDOFTEXT_ID)
     return out, lengths, s.new_tokens, s.row_forwards, s.forwards
 
 
@@ -256,12 +459,19 @@ def generate(
     prompt_lengths: np.ndarray,
     *,
     block_size: int,
-    threshold: float,
+    threshold: float | Sequence[float] | np.ndarray,
     max_new_tokens: int,
+    cache_mode: str = "sliding",
+    rule: str = "prob",
+    max_accept_per_step: int | None = None,
+    adaptive_window: bool = True,
     temperature: float = 0.0,
     eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
     mask_id: int = MASK_ID,
     seed: int = 0,
+    mesh: Mesh | None = None,
+    rules: Any = None,
+    on_accept: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> DecodeOutput:
     """Decodes a batch of prompts with MARS threshold decoding (one jitted program).
 
@@ -271,19 +481,32 @@ def generate(
         from ``prompt_lengths`` (a prompt may itself contain <|endoftext|>).
       prompt_lengths: int [R], each in 1..P.
       block_size: B, the most tokens accepted per forward (the training block size).
-      threshold: confidence needed to accept a candidate after the first; >= 1.0 accepts
-        exactly one token per forward (AR decoding), even where a probability rounds to 1.0.
+      threshold: confidence needed to accept a candidate after the first, in (0, 1]; a scalar or
+        one per row [R]. 1.0 accepts exactly one token per forward (AR decoding), even where a
+        probability rounds to 1.0. With ``rule="verify"`` it chooses how many drafts to propose.
       max_new_tokens: completion budget per row.
+      cache_mode: ``sliding``, ``block`` or ``none`` (module docstring).
+      rule: ``prob``, ``entropy``, ``margin`` or ``verify`` (module docstring).
+      max_accept_per_step: most tokens a row accepts per forward (default B).
+      adaptive_window: in ``sliding`` mode, run a B-slot window on steps where every active row
+        needs at most B slots (else 2B-1).
       temperature: 0 for greedy; > 0 samples each candidate from softmax(logits / temperature)
-        and uses the sampled token's probability as its confidence.
+        and uses the sampled token's confidence (not with ``verify``, which is greedy).
       eos_ids: tokens that end a row; the output is cut before the first one, even where a
         forward accepted tokens past it.
       mask_id: id of <|mask|>.
       seed: PRNG seed for sampling.
+      mesh, rules: decode sharded on ``mesh`` by the flax logical-axis ``rules``
+        (`mars_jax.sharding.logical_rules`); the parameters should already be placed by the same
+        rules (`mars_jax.workdir.load_model` does).
+      on_accept: called on the host after every forward that may accept tokens, with
+        (candidates int32 [R, C], counts int32 [R]): row r accepted candidates[r, :counts[r]]
+        (0 for finished rows). For streaming; ordered; the EOS, if any, is included.
 
     Returns:
       A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths, block_size or
-      max_new_tokens < 1, or a negative temperature.
+      max_new_tokens < 1, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
+      temperature, ``verify`` with sampling or in ``block`` mode, or a mesh without rules.
     """
     prompt_ids = np.asarray(prompt_ids, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
@@ -292,28 +515,55 @@ def generate(
             f"prompt_ids must be [R, P] and prompt_lengths [R]; got "
             f"{prompt_ids.shape} and {prompt_lengths.shape}"
         )
+    rows = prompt_ids.shape[0]
     if prompt_lengths.min() < 1 or prompt_lengths.max() > prompt_ids.shape[1]:
         raise ValueError(f"prompt_lengths must lie in 1..{prompt_ids.shape[1]}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if block_size < 1 or max_new_tokens < 1:
         raise ValueError(
             f"block_size ({block_size}) and max_new_tokens ({max_new_tokens}) must be >= 1"
         )
+    threshold = np.broadcast_to(np.asarray(threshold, np.float32), (rows,))
+    if not np.all((threshold > 0) & (threshold <= 1)):
+        raise ValueError(f"threshold must lie in (0, 1], got {threshold.tolist()}")
+    if cache_mode not in CACHE_MODES:
+        raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if rule == "verify" and (temperature > 0 or cache_mode == "block"):
+        raise ValueError(
+            "rule='verify' reproduces greedy AR decoding: it needs temperature 0 and cache_mode "
+            f"'sliding' or 'none' (got temperature {temperature}, cache_mode {cache_mode!r})"
+        )
+    if max_accept_per_step is not None and max_accept_per_step < 1:
+        raise ValueError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
+    if (mesh is None) != (rules is None):
+        raise ValueError("mesh and rules go together: pass both or neither")
+    settings = _Settings(
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        eos_ids=tuple(int(e) for e in eos_ids),
+        mask_id=int(mask_id),
+        sampling=temperature > 0,
+        cache_mode=cache_mode,
+        rule=rule,
+        adaptive_window=adaptive_window,
+        mesh=mesh,
+        rules=None if rules is None else tuple(rules),
+        on_accept=on_accept,
+    )
     graphdef, params = nnx.split(model)
     out = _generate(
         graphdef,
         params,
         jnp.asarray(prompt_ids),
         jnp.asarray(prompt_lengths),
-        jnp.float32(threshold),
+        jnp.asarray(threshold),
+        jnp.int32(block_size if max_accept_per_step is None else max_accept_per_step),
         jnp.float32(temperature),
         jax.random.key(seed),
-        block_size=block_size,
-        max_new_tokens=max_new_tokens,
-        eos_ids=tuple(int(e) for e in eos_ids),
-        mask_id=int(mask_id),
-        sampling=temperature > 0,
+        settings=settings,
     )
     tokens, lengths, accepted, row_forwards, forwards = jax.device_get(out)
     return DecodeOutput(tokens, lengths, accepted, row_forwards, int(forwards))
@@ -331,8 +581,9 @@ def generate_batched(
 
     Every batch has the same shape [batch_size, longest prompt] (the last one is filled with
     one-token filler rows), so the decoder compiles once. ``kwargs`` go to `generate`
-    (block_size, threshold, max_new_tokens, ...). Returns one `DecodeOutput` with a row per
-    prompt, in order. Raises ValueError as `pad_prompts` and `generate`.
+    (block_size, threshold, max_new_tokens, cache_mode, rule, ...; a per-row threshold is not
+    supported here). Returns one `DecodeOutput` with a row per prompt, in order. Raises
+    ValueError as `pad_prompts` and `generate`.
     """
     num_batches = -(-len(prompts) // batch_size)
     ids, lengths = pad_prompts(prompts, pad_id, rows=num_batches * batch_size)

@@ -36,6 +36,9 @@ from jax.sharding import PartitionSpec as P
 from mars_jax.attention import IMPLEMENTATIONS, attend
 
 KVCache = dict[str, jax.Array]  # {"k": [L, R, S, K, H], "v": [L, R, S, K, H]}, L layers
+# Logical axes of each KV cache array [L, R, S, K, H]: rows over the batch axes, KV heads over
+# the tensor axis (as their k/v projections), so a cache shards like the model that fills it.
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", None)
 
 
 # Rematerialisation policies of a decoder layer's backward pass: keep every activation ("none"),
@@ -255,14 +258,14 @@ class Qwen2(nnx.Module):
           (hidden states [R, T, D] after the final norm, in ``dtype``; updated cache or None).
         """
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x = _constrain(self.embed_tokens(input_ids), ACTIVATION_AXES)
+        x = with_logical_constraint(self.embed_tokens(input_ids), ACTIVATION_AXES)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, params, layer_cache):
             x, layer_cache = nnx.merge(graphdef, params)(
                 x, cos, sin, mask, layer_cache, cache_index
             )
-            return _constrain(x, ACTIVATION_AXES), layer_cache
+            return with_logical_constraint(x, ACTIVATION_AXES), layer_cache
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -295,11 +298,11 @@ _REMAT_POLICIES = {
 }
 
 
-def _constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+def with_logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """``x`` constrained to the sharding its logical axis ``names`` get under the active flax
     logical-axis rules (``nnx.logical_axis_rules``) on the active mesh
-    (``jax.sharding.use_abstract_mesh``); unchanged where no mesh is active (single device,
-    decoding) or a name has no rule."""
+    (``jax.sharding.use_abstract_mesh``); unchanged where no mesh is active (a single device) or a
+    name has no rule. The name follows MaxText's helper of the same role."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
     rules = dict(flax.core.spmd.get_logical_axis_rules())
@@ -332,10 +335,11 @@ def abstract_model(cfg: ModelConfig) -> Qwen2:
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> KVCache:
     """Zeroed KV cache {"k", "v"}, each [num_layers, batch, slots, K, H] ([L, R, S, K, H]) in the
-    compute dtype (or ``dtype``)."""
+    compute dtype (or ``dtype``), sharded by `CACHE_AXES` where a mesh and rules are active
+    (see `with_logical_constraint`)."""
     shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return {n: with_logical_constraint(jnp.zeros(shape, dtype), CACHE_AXES) for n in ("k", "v")}
 
 
 def causal_mask(t: int) -> np.ndarray:

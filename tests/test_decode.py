@@ -1,44 +1,25 @@
-"""Tests of mars_jax.decode: the cached per-row-cursor threshold decoder against uncached
-references written here (plain greedy AR, and the MARS acceptance rule recomputed with a full
-causal forward per step), on tiny random fp32 models with the real Qwen2.5 special-token ids.
-
-Random models are unconfident; multiplying the final RMSNorm weight by ``scale`` multiplies every
-logit, which makes the output distribution as peaked as needed (scale 300: a mix of confident and
-unconfident candidates; scale 1000: many probabilities that are exactly 1.0 in fp32).
-"""
-
-import functools
+"""Tests of mars_jax.decode's default scheme (per-row cursors, ``prob`` rule) against the uncached
+references of `decode_oracles`: one-token mode is greedy AR, threshold decoding follows the
+acceptance rule, batch invariance, EOS, budget, sampling and argument checks."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from mars_jax import decode
-from mars_jax.model import ModelConfig, Qwen2, causal_mask
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID
-
-VOCAB = 151680  # covers 151643..151665 (<|endoftext|> .. <|mask|>)
-EOS = (IM_END_ID, ENDOFTEXT_ID)
-MAX_NEW = 16
-CFG = ModelConfig(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,  # a tied head would mostly predict the input token back
+from decode_oracles import (
+    EOS,
+    MAX_NEW,
+    Uncached,
+    assert_matches_references,
+    make_batch,
+    make_model,
+    reference_ar,
+    reference_mars,
 )
-
-
-def make_model(scale: float, seed: int = 0) -> Qwen2:
-    model = Qwen2(CFG, rngs=nnx.Rngs(seed))
-    model.norm.weight[...] = model.norm.weight[...] * scale
-    return model
+from flax import nnx
+from mars_jax import decode
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 
 
 @pytest.fixture(scope="module")
@@ -54,114 +35,6 @@ def mid():
 @pytest.fixture(scope="module")
 def peaked():
     return make_model(1000.0)
-
-
-def make_batch(lengths, width=None, pad=ENDOFTEXT_ID, seed=0):
-    """Prompts of the given lengths (random ordinary ids, some with special ids inside, among
-    them <|endoftext|> and <|im_end|>), right-padded to ``width`` with ``pad``."""
-    rng = np.random.default_rng(seed)
-    width = width or max(lengths)
-    ids = np.full((len(lengths), width), pad, np.int32)
-    prompts = []
-    for r, n in enumerate(lengths):
-        p = rng.integers(0, ENDOFTEXT_ID, size=n).astype(np.int32)
-        if n >= 3 and r % 2 == 0:
-            p[1] = ENDOFTEXT_ID
-            p[n // 2] = IM_START_ID
-        if n >= 4 and r % 3 == 1:
-            p[2] = IM_END_ID
-            p[0] = ENDOFTEXT_ID
-        ids[r, :n] = p
-        prompts.append(p.tolist())
-    return ids, np.asarray(lengths, np.int32), prompts
-
-
-# ----------------------------------------------------------------------------------------------
-# Uncached references.
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _logits_at(graphdef, state, ids, start, size):
-    """Full causal forward over ids [1, T] (no cache); fp32 logits of positions
-    start .. start + size - 1. Ids after the last position read cannot affect it (causal)."""
-    model = nnx.merge(graphdef, state)
-    t = ids.shape[1]
-    hidden, _ = model(ids, jnp.arange(t)[None], causal_mask(t))
-    return model.logits(jax.lax.dynamic_slice_in_dim(hidden[0], start, size, axis=0))
-
-
-class Uncached:
-    """Full-recompute forward of ``model`` on a fixed-width buffer (one compilation)."""
-
-    def __init__(self, model, width):
-        self.graphdef, self.state = nnx.split(model)
-        self.width = width
-
-    def logits(self, seq, start, size):
-        buf = np.zeros((1, self.width), np.int32)
-        buf[0, : len(seq)] = seq
-        return np.asarray(_logits_at(self.graphdef, self.state, jnp.asarray(buf), start, size))
-
-
-def reference_ar(fwd: Uncached, prompt, max_new, eos=EOS):
-    """Greedy AR: argmax of the last position of a full forward, until EOS or the budget.
-    Returns (completion without EOS, tokens generated incl. EOS, max probabilities seen)."""
-    seq, out, probs = list(prompt), [], []
-    while len(out) < max_new:
-        logits = fwd.logits(seq, len(seq) - 1, 1)[0]
-        token = int(np.argmax(logits))
-        probs.append(float(np.max(jax.nn.softmax(jnp.asarray(logits)))))
-        seq.append(token)
-        out.append(token)
-        if token in eos:
-            break
-    cut = next((i for i, t in enumerate(out) if t in eos), len(out))
-    return out[:cut], len(out), probs
-
-
-def reference_mars(fwd: Uncached, prompt, *, block_size, threshold, max_new, eos=EOS,
-                   mask_id=MASK_ID):
-    """The MARS acceptance rule, uncached: each step forwards committed tokens + B-1 masks
-    (positions n .. n+B-2) and reads the outputs at n-1 .. n+B-2 as candidates for n .. n+B-1;
-    the first is accepted, then left to right while confidence >= threshold (exactly one when
-    threshold >= 1); accepting stops after an EOS and at the budget.
-
-    Returns (completion cut before the first EOS, accepted incl. EOS, forwards, per-step lists).
-    """
-    threshold = np.float32(threshold)
-    seq, out, steps = list(prompt), [], []
-    while True:
-        n = len(seq)
-        logits = fwd.logits(seq + [mask_id] * (block_size - 1), n - 1, block_size)
-        probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
-        tokens = np.argmax(logits, axis=-1)
-        conf = probs[np.arange(block_size), tokens]
-        step, finished = [], False
-        for i in range(block_size):
-            if i > 0 and (threshold >= 1.0 or not conf[i] >= threshold):
-                break
-            step.append(int(tokens[i]))
-            if tokens[i] in eos or len(out) + len(step) == max_new:
-                finished = True
-                break
-        seq += step
-        out += step
-        steps.append(step)
-        if finished:
-            break
-    cut = next((i for i, t in enumerate(out) if t in eos), len(out))
-    return out[:cut], len(out), len(steps), steps
-
-
-def assert_matches_references(out, refs):
-    for r, (completion, accepted, forwards) in enumerate(refs):
-        n = len(completion)
-        assert out.lengths[r] == n, f"row {r}"
-        np.testing.assert_array_equal(out.tokens[r, :n], completion, err_msg=f"row {r}")
-        assert np.all(out.tokens[r, n:] == ENDOFTEXT_ID), f"row {r}: padding after the cut"
-        assert out.accepted[r] == accepted, f"row {r}"
-        assert out.row_forwards[r] == forwards, f"row {r}"
-    assert out.forwards == max(f for _, _, f in refs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,14 +300,14 @@ def test_loop_ends_even_if_a_step_accepts_nothing(mid, monkeypatch):
     """The loop condition bounds the forwards at max_new_tokens: a step that accepts no token
     (a bug) ends the decode instead of spinning forever."""
     ids, lengths, _ = make_batch([3, 9], seed=8)
-    real = decode._accepted
+    real = decode._count
 
-    def accept_nothing(token, conf, threshold, eos, budget):
-        count, hit_eos = real(token, conf, threshold, eos, budget)
+    def accept_nothing(token, ok, eos, budget):
+        count, hit_eos = real(token, ok, eos, budget)
         return jnp.zeros_like(count), jnp.zeros_like(hit_eos)
 
     decode._generate.clear_cache()
-    monkeypatch.setattr(decode, "_accepted", accept_nothing)
+    monkeypatch.setattr(decode, "_count", accept_nothing)
     try:
         out = decode.generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=5)
     finally:
