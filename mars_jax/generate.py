@@ -1,44 +1,85 @@
 r"""Generation: complete prompts with a trained run's checkpoint.
 
   python -m mars_jax.generate --workdir=runs/mars --prompt="What is 12 * 7?" \
-      --threshold=0.95 [--block_size=4 --max_new_tokens=256 --json]
+      --threshold=0.95 [--block_size=4 --max_new_tokens=256 --cache_mode=sliding --rule=prob \
+      --stream --json]
+  python -m mars_jax.generate --workdir=runs/mars --prompts_file=prompts.jsonl --json
 
 From Python: ``generate.complete(workdir, ["What is 12 * 7?"], threshold=0.95)``.
 
-Each prompt is a user turn rendered with the run's chat template. The CLI prints the completion,
-or with --json one JSON object per prompt: {"prompt", "tokens" (ids), "text",
-"tokens_per_forward"}. ``--prompt`` may be repeated; the prompts are decoded as one batch.
+Each prompt is a user turn rendered with the run's chat template; all prompts are decoded as one
+batch. ``--prompt`` may be repeated; ``--prompts_file`` is a JSONL file of objects
+{"prompt": str, "threshold": float (optional: this row's threshold)}. The CLI prints each
+completion, or with --json one JSON object per prompt: {"prompt", "tokens" (ids), "text",
+"tokens_per_forward"}. With --stream the text is printed as the decoder commits it, one chunk
+per forward (rows tagged ``[i]`` when there are several), so several tokens can be seen landing
+at once.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Sequence
+import sys
+from typing import Callable, Sequence
 
+import numpy as np
 from absl import flags
 
-from mars_jax import cli, decode, workdir as wd
+from mars_jax import cli, data, decode, workdir as wd
+from mars_jax.tokenizer import Tokenizer
+
+
+class TextStream:
+    """An ``on_accept`` callback for `decode.generate` that writes each row's newly committed text
+    after every forward: ``write(row, text)``. Tokens from a row's first EOS on are dropped; a
+    chunk that ends inside a multi-byte character is held back until the character is complete.
+    """
+
+    def __init__(self, tok: Tokenizer, rows: int, eos_ids: Sequence[int],
+                 write: Callable[[int, str], None]):
+        self.tok, self.eos, self.write = tok, set(int(e) for e in eos_ids), write
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.shown = [""] * rows
+        self.ended = [False] * rows
+
+    def __call__(self, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """tokens int32 [R, C], counts int32 [R]: row r committed tokens[r, :counts[r]]."""
+        for r, (row, n) in enumerate(zip(np.asarray(tokens), np.asarray(counts))):
+            for t in row[:n].tolist():
+                if self.ended[r] or t in self.eos:
+                    self.ended[r] = True
+                    break
+                self.ids[r].append(t)
+            text = self.tok.decode(self.ids[r])
+            if text.endswith("\ufffd") or len(text) <= len(self.shown[r]):
+                continue
+            self.write(r, text[len(self.shown[r]) :])
+            self.shown[r] = text
 
 
 def complete(
     workdir: str,
     prompts: Sequence[str],
     *,
-    threshold: float = 0.95,
+    threshold: float | Sequence[float] = 0.95,
     block_size: int | None = None,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
+    cache_mode: str = "sliding",
+    rule: str = "prob",
     system: str | None = None,
     step: int | None = None,
+    stream: Callable[[int, str], None] | None = None,
 ) -> list[dict]:
     """Decodes ``prompts`` (user messages) as one batch with checkpoint ``step`` (default: the
     latest) of the run in ``workdir``.
 
-    ``block_size`` defaults to the run's; ``system`` is an optional system message; the other
-    arguments are as in `decode.generate`. Returns one dict per prompt: {"prompt" (str),
-    "tokens" (completion ids, EOS excluded), "text", "tokens_per_forward" (float)}.
-    Raises FileNotFoundError for a directory that is not a run with a checkpoint, ValueError as
-    `decode.generate`.
+    ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's;
+    ``system`` is an optional system message; ``stream(row, text)``, if given, receives each
+    row's text as it is committed (see `TextStream`); the other arguments are as in
+    `decode.generate`. Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
+    EOS excluded), "text", "tokens_per_forward" (float)}. Raises FileNotFoundError for a
+    directory that is not a run with a checkpoint, ValueError as `decode.generate`.
     """
     model, tok, _ = wd.load_model(workdir, step=step)
     system_turn = [{"role": "system", "content": system}] if system else []
@@ -55,7 +96,12 @@ def complete(
         threshold=threshold,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        cache_mode=cache_mode,
+        rule=rule,
         mask_id=tok.mask_id,
+        on_accept=None
+        if stream is None
+        else TextStream(tok, len(prompts), decode.DEFAULT_EOS_IDS, stream),
     )
     return [
         {
@@ -68,30 +114,73 @@ def complete(
     ]
 
 
+def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
+    """The prompts of a JSONL file of {"prompt": str, "threshold": float (optional)} objects:
+    (prompts, thresholds with None where a row gives none). Raises ValueError naming the file and
+    the row for a missing or non-string prompt, or a threshold that is not a number."""
+    prompts, thresholds = [], []
+    for i, row in enumerate(data.read_rows(path), start=1):
+        prompt, threshold = row.get("prompt"), row.get("threshold")
+        if not isinstance(prompt, str):
+            raise ValueError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")
+        if threshold is not None and not isinstance(threshold, (int, float)):
+            raise ValueError(f"{path}: row {i}: 'threshold' must be a number, got {threshold!r}")
+        prompts.append(prompt)
+        thresholds.append(threshold)
+    return prompts, thresholds
+
+
 def main() -> None:
     """``python -m mars_jax.generate --workdir=DIR --prompt=TEXT [--prompt=TEXT ...]``."""
     workdir = cli.workdir_flag()
-    prompt = flags.DEFINE_multi_string("prompt", None, "User message(s).", required=True)
+    prompt = flags.DEFINE_multi_string("prompt", None, "User message(s).")
+    prompts_file = flags.DEFINE_string(
+        "prompts_file", None, 'JSONL file of {"prompt": str, "threshold": float (optional)}.'
+    )
     threshold = flags.DEFINE_float("threshold", 0.95, "Confidence threshold; 1.0 = AR decoding.")
     block_size = flags.DEFINE_integer("block_size", None, "Block size (default: the run's).")
     max_new = flags.DEFINE_integer("max_new_tokens", 256, "Completion budget per prompt.")
     temperature = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+    cache_mode = flags.DEFINE_enum("cache_mode", "sliding", decode.CACHE_MODES, "KV cache scheme.")
+    rule = flags.DEFINE_enum("rule", "prob", decode.RULES, "Acceptance rule.")
     system = flags.DEFINE_string("system", None, "Optional system message.")
     step = cli.step_flag()
     as_json = flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
+    stream = flags.DEFINE_bool("stream", False, "Print text as it is committed, per forward.")
 
     def run():
-        for result in complete(
+        prompts, thresholds = list(prompt.value or []), [None] * len(prompt.value or [])
+        if prompts_file.value:
+            more, more_thresholds = read_prompts(prompts_file.value)
+            prompts, thresholds = prompts + more, thresholds + more_thresholds
+        if not prompts:
+            raise ValueError("give at least one --prompt or a --prompts_file")
+        tagged = len(prompts) > 1
+
+        def write(row: int, text: str) -> None:
+            sys.stdout.write(f"[{row}] {text!r}\n" if tagged else text)
+            sys.stdout.flush()
+
+        results = complete(
             workdir.value,
-            prompt.value,
-            threshold=threshold.value,
+            prompts,
+            threshold=[threshold.value if t is None else t for t in thresholds],
             block_size=block_size.value,
             max_new_tokens=max_new.value,
             temperature=temperature.value,
+            cache_mode=cache_mode.value,
+            rule=rule.value,
             system=system.value,
             step=step.value,
-        ):
-            print(json.dumps(result) if as_json.value else result["text"])
+            stream=write if stream.value else None,
+        )
+        if stream.value and not tagged:
+            print()
+        for result in results:
+            if as_json.value:
+                print(json.dumps(result))
+            elif not stream.value:
+                print(result["text"])
 
     cli.run(run)
 

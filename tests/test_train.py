@@ -2,6 +2,7 @@
 train (stage 1, resume, stage 2 from stage 1, init from a Hugging Face directory), and the
 train / evaluate / generate / export command lines."""
 
+import ast
 import importlib.util
 import json
 import math
@@ -387,7 +388,7 @@ def test_entry_modules_import_together():
         assert f"'{name}'" in proc.stdout
 
 
-def test_generate_in_process_and_cli(stage1):
+def test_generate_in_process_and_cli(stage1, tmp_path):
     workdir, _, _ = stage1
     questions = ["What is 12 * 7?", "Tom has 3 apples and buys 4 more. How many now?"]
     results = generate.complete(workdir, questions, threshold=0.9, max_new_tokens=8)
@@ -416,6 +417,34 @@ def test_generate_in_process_and_cli(stage1):
     )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert [json.loads(line) for line in lines] == results
+
+    # Streaming in process: the chunks of each row add up to its text, in decoder order.
+    chunks = []
+    streamed = generate.complete(
+        workdir, questions, threshold=[0.9, 1.0], max_new_tokens=8, cache_mode="block",
+        stream=lambda row, text: chunks.append((row, text)),
+    )
+    assert streamed[0]["tokens"] == results[0]["tokens"]  # block mode, same greedy tokens here
+    for i, obj in enumerate(streamed):
+        assert "".join(t for r, t in chunks if r == i) == obj["text"]
+    # The CLI with a prompts file (the second row brings its own threshold) and --stream.
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(
+        json.dumps({"prompt": questions[0]}) + "\n"
+        + json.dumps({"prompt": questions[1], "threshold": 1.0}) + "\n"
+    )
+    proc = run_cli(
+        "mars_jax.generate", f"--workdir={workdir}", f"--prompts_file={prompts_file}",
+        "--threshold=0.9", "--max_new_tokens=8", "--cache_mode=block", "--stream",
+    )
+    cli_chunks = [line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith("[")]
+    for i, obj in enumerate(streamed):
+        text = "".join(ast.literal_eval(t) for r, t in cli_chunks if r == f"[{i}]")
+        assert text == obj["text"]
+    prompts_file.write_text(json.dumps({"prompt": 7}) + "\n")
+    proc = run_cli("mars_jax.generate", f"--workdir={workdir}", f"--prompts_file={prompts_file}",
+                   check=False)
+    assert proc.returncode != 0 and f"{prompts_file}: row 1: 'prompt'" in proc.stderr
 
 
 def test_export_cli_loads_in_transformers(hf_run, tmp_path):
