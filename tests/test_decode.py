@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from decode_oracles import (
-    EOS,
     MAX_NEW,
     Uncached,
     assert_matches_references,
