@@ -81,6 +81,8 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "block_size": 0,  # 0: the block size the run was trained with
             "max_new_tokens": 64,
             "temperature": 0.0,
+            "cache_mode": "sliding",  # decode.CACHE_MODES: sliding | block | none
+            "rule": "prob",  # decode.RULES: prob | entropy | margin | verify
             "nll_examples": 64,
         },
     })

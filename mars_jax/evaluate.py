@@ -6,7 +6,8 @@ Restores the latest checkpoint of ``workdir``, decodes ``eval.num_examples`` eva
 (GSM8K test questions, or held-out synthetic problems) at each of ``eval.thresholds`` and
 reports per threshold: accuracy (the number after ``####``, else the last number), tokens per
 forward, generated tokens/s, mean completion length, and agreement with the threshold-1.0
-(one-token, i.e. AR) output; once per checkpoint, the mean per-token negative log-likelihood
+(one-token, i.e. AR) output, decoding with ``eval.cache_mode`` and ``eval.rule`` (see
+`mars_jax.decode`); once per checkpoint, the mean per-token negative log-likelihood
 of the reference answers under plain AR teacher forcing (paper Sec. 5 reports accuracy and
 tokens per forward). Everything is also written to ``workdir/eval.json``.
 
@@ -75,8 +76,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     the latest) of ``workdir``, with the ``data`` and ``eval`` sections of run config ``cfg``.
 
     Prints the table, writes ``workdir/eval.json`` and returns the report: {workdir, step,
-    num_examples, block_size, ar_nll, results: [{threshold, accuracy, tokens_per_forward,
-    tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
+    num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold, accuracy,
+    tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
     workdir without checkpoints, ValueError when the evaluation source yields no examples.
     """
     model, tok, step = wd.load_model(workdir, step=step)
@@ -102,6 +103,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             threshold=threshold,
             max_new_tokens=e.max_new_tokens,
             temperature=e.temperature,
+            cache_mode=e.cache_mode,
+            rule=e.rule,
             seed=cfg.seed,
             mask_id=tok.mask_id,
         )
@@ -146,6 +149,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         "step": step,
         "num_examples": len(examples),
         "block_size": block_size,
+        "cache_mode": e.cache_mode,
+        "rule": e.rule,
         "ar_nll": nll,
         "results": results,
     }
