@@ -16,11 +16,12 @@ batch of R rows, one decode step (one forward of the batch) of each mode costs a
 
 where slots is the window fed per row, projections the slots projected onto the vocabulary, and
 keys the key slots each query attends (``context`` with a cache; the whole sequence without).
-``value_bytes`` is 2 (bf16 weights and cache) on accelerators, 4 (fp32) on the CPU. Activations,
-the fp32 logits (reported apart) and the embedding gather are left out.
+``value_bytes`` is 2 (bf16 weights and cache) on accelerators, 4 (fp32) on the CPU. Left out:
+activations, the embedding gather, and the fp32 logits and attention scores (reported apart).
 
-The CPU figures are measured with ``--measure_cpu`` (a JAX fp32 matmul and a matrix-vector
-product) or given with ``--cpu_gflops`` and ``--cpu_gbps``; without either the CPU is left out.
+The CPU figures are measured with ``--measure_cpu`` (`measure_cpu`: the FLOP/s of a JAX fp32
+matmul; as bandwidth, the faster of a matrix-vector product and a row sum over 1 GiB) or given
+with ``--cpu_gflops`` and ``--cpu_gbps``; without either the CPU is left out.
 """
 
 from __future__ import annotations
@@ -249,12 +250,13 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
     table(
         "Models (parameter counts from the config shapes; bytes in bf16)",
         ["model", "L", "D", "I", "N", "K", "H", "V", "tied", "non-embedding", "V x D", "total",
-         "weights read/step GB", "resident GB", "KV KiB/token"],
+         "weights read/step GB", "resident GB bf16 (fp32)", "KV KiB/token"],
         [[name, m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads,
           m.head_dim, m.vocab_size, m.tie_word_embeddings, f"{non_embedding_params(m):,}",
           f"{m.vocab_size * m.hidden_size:,}", f"{total_params(m):,}",
           _num(2 * read_params(m) / GB),
-          _num(2 * total_params(m) / GB), _num(kv_bytes_per_token(m, 2) / 1024)]
+          f"{_num(2 * total_params(m) / GB)} ({_num(4 * total_params(m) / GB)})",
+          _num(kv_bytes_per_token(m, 2) / 1024)]
          for name, m in models.items()],
     )
     rows = []
