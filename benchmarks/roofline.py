@@ -241,14 +241,14 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
     bf16 = ACCELERATORS[0]
 
     table(
-        "Hardware",
+        "Hardware: peak FLOP/s, memory bandwidth and capacity per chip",
         ["hardware", "peak TFLOP/s", "bandwidth GB/s", "memory GB", "ridge FLOP/byte", "values"],
         [[hw.name, _num(hw.flops / 1e12), _num(hw.bandwidth / GB),
           "-" if hw.memory is None else _num(hw.memory / GB), _num(hw.ridge),
           {2: "bf16", 4: "fp32"}[hw.value_bytes]] for hw in hardware],
     )
     table(
-        "Models (parameter counts from the config shapes; bytes in bf16)",
+        "Models: parameter counts from the config shapes; GB in bf16",
         ["model", "L", "D", "I", "N", "K", "H", "V", "tied", "non-embedding", "V x D", "total",
          "weights read/step GB", "resident GB bf16 (fp32)", "KV KiB/token"],
         [[name, m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads,
