@@ -238,7 +238,7 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
     """Prints every table of docs/decoding.md."""
     models = {name: model_config(name) for name in MODELS}
     table = lambda title, header, rows: _table(title, header, rows, markdown)
-    bf16 = ACCELERATORS[0]
+    bf16 = ACCELERATORS[0]  # any bf16 chip: bytes and FLOPs do not depend on its speed
 
     table(
         "Hardware: peak FLOP/s, memory bandwidth and capacity per chip",
