@@ -275,28 +275,35 @@ def markdown(rows: Sequence[dict]) -> str:
 
 
 def plot(rows: Sequence[dict], path: str) -> None:
-    """Speedup over ar vs batch size, one line per decoder and threshold, one panel per model."""
+    """Speedup over ar vs batch size, one line per decoder (colour) and threshold (line style,
+    marker), one panel per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    thresholds = sorted({r["threshold"] for r in rows}, reverse=True)
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v")]
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         lines = {}
         for r in rows:
             if r["model"] == model:
                 lines.setdefault((r["decoder"], r["threshold"]), []).append(r)
         for (decoder, threshold), line in lines.items():
-            label = decoder if decoder in ("ar", "transformers") else f"{decoder} t={threshold:g}"
-            ax.plot([r["batch"] for r in line], [r["speedup"] for r in line], "o-", label=label,
-                    linestyle="--" if decoder in ("ar", "transformers") else "-")
-        ax.set(xscale="log", xlabel="batch size", ylabel="speedup over ar (tokens/s)",
-               title=model)
+            style, marker = styles[thresholds.index(threshold) % len(styles)]
+            mars = decoder in MARS
+            ax.plot([r["batch"] for r in line], [r["speedup"] for r in line],
+                    color=f"C{DECODERS.index(decoder)}", linestyle=style, marker=marker,
+                    label=f"{decoder} t={threshold:g}" if mars else decoder)
+        ax.set(xlabel="batch size", ylabel="speedup over ar (tokens/s)", title=model)
         ax.set_xscale("log", base=2)
+        batches = sorted({r["batch"] for r in rows if r["model"] == model})
+        ax.set_xticks(batches, [str(b) for b in batches], minor=False)
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
