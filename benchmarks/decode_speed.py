@@ -9,9 +9,12 @@ with the same completion budget, with every decoder:
   ar            block_size 1, threshold 1.0: one token per forward over a one-token window with
                 the KV cache (`decode.generate`), the baseline of every speedup;
   sliding       MARS threshold decoding, per-row sliding windows over the KV cache;
-  block         MARS with the reference's block-aligned cache (rows wait at block boundaries);
+  block         MARS with the reference's block-aligned cache (rows wait for each other at block
+                ends, and one more forward per block writes it to the cache);
   none          MARS without a KV cache (every forward runs the whole sequence);
-  verify        rule "verify" over the sliding cache;
+  verify        lossless rule "verify" over the sliding cache: the threshold chooses the drafts
+                that the next forward checks against its own AR predictions, so the output is
+                ar's (same_as_ar 1.0) and only the number of forwards changes;
   transformers  transformers' ``Qwen2ForCausalLM.generate`` (PyTorch, greedy, ``use_cache=True``)
                 on the same weights exported to Hugging Face format and loaded in float32.
 
@@ -78,6 +81,7 @@ MARS = {
     "none": dict(cache_mode="none", rule="prob"),
     "verify": dict(cache_mode="sliding", rule="verify"),
 }
+AR = dict(cache_mode="sliding", rule="prob")  # with block_size 1 and threshold 1.0
 DECODERS = ("ar", *MARS, "transformers")
 KEYS = (
     "model", "decoder", "batch", "threshold", "block_size", "prompts", "max_new_tokens",
@@ -212,7 +216,7 @@ def decoder_run(s: Subject, decoder: str, *, batch: int, threshold: float):
                   eos_ids=s.eos_ids)
     if decoder == "transformers":
         return lambda: transformers_generate(s.hf, prompts, **common)
-    block_size, kwargs = (s.block_size, MARS[decoder]) if decoder in MARS else (1, {})
+    block_size, kwargs = (s.block_size, MARS[decoder]) if decoder in MARS else (1, AR)
     return lambda: decode.generate_batched(s.model, prompts, block_size=block_size,
                                            threshold=threshold, **kwargs, **common)
 

@@ -62,6 +62,7 @@ def test_rows(subject):
     assert transformers["tokens_per_forward"] == 1.0
     assert transformers["same_as_ar"] == 1.0  # the same greedy tokens (see the oracle test)
     assert [r["block_size"] for r in rows[1:-1]] == [4] * 4
+    assert rows[-2]["decoder"] == "verify" and rows[-2]["same_as_ar"] == 1.0  # lossless
 
 
 def test_transformers_generates_our_greedy_tokens(subject):
