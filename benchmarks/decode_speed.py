@@ -3,6 +3,10 @@ r"""Decode speed: AR with a KV cache, the MARS decoders and transformers, side b
   PYTHONPATH=. python benchmarks/decode_speed.py --model=both \
       --workdir=runs/tiny/mars --config=configs/tiny.py --output_dir=benchmarks/results
 
+With the defaults this takes hours on 2 CPU cores (the trained model decodes 64 prompts of up
+to 128 tokens per configuration, one at a time at batch 1); --batch_sizes, --decoders,
+--thresholds, --num_prompts and --max_new_tokens make shorter runs.
+
 For each model and batch size, one process decodes the same prompts, on the same weights and
 with the same completion budget, with every decoder:
 
@@ -47,7 +51,9 @@ Timing: per model and batch size, each configuration runs once untimed (compilat
 allocation); then ``--repeats`` rounds run every configuration once, in turn (so that a shared
 machine's changing load favours none), and each reports its fastest run. Columns:
   tokens_per_forward  generated tokens (EOS included) / forwards in which a row was active;
-  step_ms             wall milliseconds / forwards of the batch (prefill time included);
+  step_ms             wall milliseconds / decoding forwards of the batches (the prefill's
+                      time is included, not counted as a forward: with few new tokens, as on
+                      qwen0_5b_shape, it inflates every decoder's step_ms alike);
   tokens_per_s        generated tokens (EOS included) / wall seconds;
   speedup             tokens_per_s / that of ar at the same model and batch;
   conversion          speedup / tokens_per_forward: the fraction of the ideal speedup kept
@@ -97,7 +103,9 @@ class Subject:
     model: our `Qwen2`; hf: the same weights as a transformers ``Qwen2ForCausalLM`` (float32).
     prompts: token-id lists; a batch size b decodes the first ``b * ceil(min_prompts / b)``
       (a whole number of full batches: no filler rows), so every decoder at b sees the same ones.
-    block_size: MARS block size; eos_ids: stop tokens of every decoder (empty: never stop).
+    block_size: MARS block size; max_new_tokens: completion budget per row (tokens).
+    eos_ids: stop tokens of every decoder (empty: never stop); pad_id: prompt padding id.
+    min_prompts: prompts decoded per configuration, at least (see prompts).
     one_threshold: time MARS decoders at the lowest threshold only (meaningless acceptance).
     """
 
@@ -113,6 +121,7 @@ class Subject:
     one_threshold: bool = False
 
     def prompts_for(self, batch: int) -> list[list[int]]:
+        """The prompts that every configuration at batch size ``batch`` decodes."""
         return self.prompts[: batch * math.ceil(self.min_prompts / batch)]
 
 
