@@ -1,105 +1,380 @@
-r"""Wall-clock decoding speed: MARS threshold decoding vs AR decoding with a KV cache.
+r"""Decode speed: AR with a KV cache, the MARS decoders and transformers, side by side.
 
-  PYTHONPATH=. python benchmarks/decode_speed.py --config=configs/gsm8k_tiny.py --workdir=runs/gsm8k_tiny/mars
+  PYTHONPATH=. python benchmarks/decode_speed.py --model=both \
+      --workdir=runs/tiny/mars --config=configs/tiny.py --output_dir=benchmarks/results
 
-For each batch size, decodes the same evaluation prompts with (1) the AR baseline: block_size 1,
-threshold 1.0, i.e. one token per forward over a one-token window with the KV cache, and (2)
-MARS at each threshold with the run's block size, all in one process, side by side. Reports
-tokens per forward, generated tokens/s (EOS included) and the speedup over the AR baseline.
-Each configuration is compiled and run once before it is timed; the best of ``--repeats`` runs
-is reported. The paper (Sec. 5) reports 1.71x at batch 4 and 1.34x at batch 16 for Qwen2.5-7B.
+With the defaults this takes hours on 2 CPU cores (the trained model decodes 64 prompts of up
+to 128 tokens per configuration, one at a time at batch 1); --batch_sizes, --decoders,
+--thresholds, --num_prompts and --max_new_tokens make shorter runs.
+
+For each model and batch size, one process decodes the same prompts, on the same weights and
+with the same completion budget, with every decoder:
+
+  ar            block_size 1, threshold 1.0: one token per forward over a one-token window with
+                the KV cache (`decode.generate`), the baseline of every speedup;
+  sliding       MARS threshold decoding, per-row sliding windows over the KV cache;
+  block         MARS with the reference's block-aligned cache (rows wait for each other at block
+                ends, and one more forward per block writes it to the cache);
+  none          MARS without a KV cache (every forward runs the whole sequence);
+  verify        lossless rule "verify" over the sliding cache: the threshold chooses the drafts
+                that the next forward checks against its own AR predictions, so the output is
+                ar's (same_as_ar 1.0) and only the number of forwards changes;
+  transformers  transformers' ``Qwen2ForCausalLM.generate`` (PyTorch, greedy, ``use_cache=True``)
+                on the same weights exported to Hugging Face format and loaded in float32.
+
+MARS decoders run at the run's trained block size and at each ``--thresholds``. Models:
+
+  trained         a trained run (``--workdir``) on ``--num_prompts`` evaluation prompts of the
+                  ``--config``'s eval data (chat template applied), ``--max_new_tokens`` each;
+  qwen0_5b_shape  random fp32 weights of configs/qwen0_5b.py's architecture (block size 8) on
+                  random prompts of ``--shape_prompt_len`` tokens, ``--shape_max_new_tokens``
+                  each, one batch per batch size. Its MARS acceptance is meaningless (random
+                  weights accept one token per forward at any threshold < 1, so its MARS rows are
+                  timed at the lowest threshold only): its point is step_ms, the cost of a step.
+
+Fairness. Every decoder of a model gets the same prompt token ids and the same stopping rule.
+The trained model stops each row at <|im_end|> or <|endoftext|> in every decoder, transformers
+included (its ``eos_token_id``), so ``transformers`` and ``ar`` do the same work: the same
+greedy tokens (column same_as_ar, the fraction of rows whose completion equals ar's, checks
+it) and the same number of forwards (a batch runs until its longest row ends in both). MARS
+decoders may change the text and so the lengths; tokens_per_s divides the tokens they did
+generate by their time. The random model has no EOS in any decoder (transformers gets
+``eos_token_id=None``): every row generates exactly the budget, so its rows time equal work.
+transformers gets the prompts left-padded (with an attention mask, positions from it) to the
+width our decoders right-pad to: the same prefill. Remaining differences, all against us:
+transformers' first token comes from its prefill, ours from one extra one-token forward after
+it; our cache is a fixed-size array attended in full at every step (transformers' grows).
+transformers runs eagerly (a Python loop per token, no static cache, no torch.compile) with
+``torch.get_num_threads()`` threads; ours is one compiled XLA program per configuration.
+
+Timing: per model and batch size, each configuration runs once untimed (compilation,
+allocation); then ``--repeats`` rounds run every configuration once, in turn (so that a shared
+machine's changing load favours none), and each reports its fastest run. Columns:
+  tokens_per_forward  generated tokens (EOS included) / forwards in which a row was active;
+  step_ms             wall milliseconds / decoding forwards of the batches (the prefill's
+                      time is included, not counted as a forward: with few new tokens, as on
+                      qwen0_5b_shape, it inflates every decoder's step_ms alike);
+  tokens_per_s        generated tokens (EOS included) / wall seconds;
+  speedup             tokens_per_s / that of ar at the same model and batch;
+  conversion          speedup / tokens_per_forward: the fraction of the ideal speedup kept
+                      (1.0 when a MARS step costs as much as an AR step);
+  same_as_ar          fraction of rows whose completion equals ar's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import os
+import tempfile
 import time
+from typing import Sequence
 
+import numpy as np
 from absl import flags
+from flax import nnx
 
-from mars_jax import cli, data, decode, workdir as wd
+from mars_jax import cli, data, decode, huggingface, workdir as wd
+from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.tokenizer import ENDOFTEXT_ID
 
-
-def _time(model, prompts, *, batch: int, block_size: int, threshold: float, max_new_tokens: int,
-          repeats: int, pad_id: int) -> dict:
-    """Best wall-clock of ``repeats`` decodes of ``prompts`` (after one compiling run)."""
-
-    def run():
-        return decode.generate_batched(
-            model,
-            prompts,
-            batch_size=batch,
-            pad_id=pad_id,
-            block_size=block_size,
-            threshold=threshold,
-            max_new_tokens=max_new_tokens,
-        )
-
-    run()  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = run()
-        best = min(best, time.perf_counter() - start)
-    return {"tokens_per_forward": out.tokens_per_forward, "tokens_per_s": float(out.accepted.sum() / best)}
+MODELS = ("trained", "qwen0_5b_shape")
+# MARS decoders: the `decode.generate` keywords besides block size and threshold.
+MARS = {
+    "sliding": dict(cache_mode="sliding", rule="prob"),
+    "block": dict(cache_mode="block", rule="prob"),
+    "none": dict(cache_mode="none", rule="prob"),
+    "verify": dict(cache_mode="sliding", rule="verify"),
+}
+AR = dict(cache_mode="sliding", rule="prob")  # with block_size 1 and threshold 1.0
+DECODERS = ("ar", *MARS, "transformers")
+KEYS = (
+    "model", "decoder", "batch", "threshold", "block_size", "prompts", "max_new_tokens",
+    "tokens", "forwards", "seconds", "tokens_per_forward", "step_ms", "tokens_per_s",
+    "speedup", "conversion", "same_as_ar",
+)
 
 
-def benchmark(cfg, workdir: str, *, batch_sizes, thresholds, num_prompts: int,
-              max_new_tokens: int, repeats: int) -> list[dict]:
-    """Prints the side-by-side table (module docstring) and returns its rows."""
-    model, tok, step = wd.load_model(workdir)
-    source, fmt, seed = data.eval_source(cfg)
-    examples = data.eval_examples(source, num_examples=num_prompts, fmt=fmt, seed=seed)
-    prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
-    block_size = wd.trained_block_size(workdir)
-    timing = dict(max_new_tokens=max_new_tokens, repeats=repeats, pad_id=tok.pad_id)
-    print(
-        f"{workdir} step {step}: {len(prompts)} prompts, max_new_tokens "
-        f"{max_new_tokens}, MARS block_size {block_size}"
+@dataclasses.dataclass
+class Subject:
+    """One model to benchmark with every decoder.
+
+    model: our `Qwen2`; hf: the same weights as a transformers ``Qwen2ForCausalLM`` (float32).
+    prompts: token-id lists; a batch size b decodes the first ``b * ceil(min_prompts / b)``
+      (a whole number of full batches: no filler rows), so every decoder at b sees the same ones.
+    block_size: MARS block size; max_new_tokens: completion budget per row (tokens).
+    eos_ids: stop tokens of every decoder (empty: never stop); pad_id: prompt padding id.
+    min_prompts: prompts decoded per configuration, at least (see prompts).
+    one_threshold: time MARS decoders at the lowest threshold only (meaningless acceptance).
+    """
+
+    name: str
+    model: Qwen2
+    hf: object
+    prompts: list[list[int]]
+    block_size: int
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    pad_id: int = ENDOFTEXT_ID
+    min_prompts: int = 1
+    one_threshold: bool = False
+
+    def prompts_for(self, batch: int) -> list[list[int]]:
+        """The prompts that every configuration at batch size ``batch`` decodes."""
+        return self.prompts[: batch * math.ceil(self.min_prompts / batch)]
+
+
+def load_transformers(model: Qwen2, *, eos_ids: Sequence[int], pad_id: int):
+    """``model``'s weights exported (`huggingface.export_hf`) and loaded as a float32
+    transformers ``Qwen2ForCausalLM`` whose generation config is greedy, cached, stops at
+    ``eos_ids`` (never when empty) and pads with ``pad_id``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with tempfile.TemporaryDirectory() as path:
+        huggingface.export_hf(model, path)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Set on the model itself: generate() fills unset (None) values from it.
+    hf.generation_config = GenerationConfig(
+        do_sample=False, use_cache=True, eos_token_id=list(eos_ids) or None, pad_token_id=pad_id
     )
-    print("| batch | decoder | threshold | tokens/forward | tokens/s | speedup vs AR |")
-    print("|---|---|---|---|---|---|")
+    return hf
+
+
+def make_subject(name: str, model: Qwen2, prompts, *, eos_ids=decode.DEFAULT_EOS_IDS,
+                 pad_id: int = ENDOFTEXT_ID, **fields) -> Subject:
+    """A `Subject` of ``model`` with its transformers twin (`load_transformers`); ``fields``
+    are the other `Subject` fields."""
+    hf = load_transformers(model, eos_ids=eos_ids, pad_id=pad_id)
+    return Subject(name, model, hf, [list(p) for p in prompts], eos_ids=tuple(eos_ids),
+                   pad_id=pad_id, **fields)
+
+
+def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir: str | None = None,
+                   config=None, num_prompts: int = 64, max_new_tokens: int = 128,
+                   shape_prompt_len: int = 40, shape_max_new_tokens: int = 16) -> list[Subject]:
+    """The models ``names`` (`MODELS`) and their prompts (module docstring)."""
+    subjects = []
+    for name in names:
+        if name == "trained":
+            if not workdir:
+                raise ValueError("--model=trained needs --workdir (a trained run)")
+            model, tok, _ = wd.load_model(workdir)
+            need = max(b * math.ceil(num_prompts / b) for b in batch_sizes)
+            source, fmt, seed = data.eval_source(config)
+            examples = data.eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
+            prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
+            prompts = [prompts[i % len(prompts)] for i in range(need)]
+            subjects.append(make_subject(
+                name, model, prompts, block_size=wd.trained_block_size(workdir),
+                max_new_tokens=max_new_tokens, pad_id=tok.pad_id, min_prompts=num_prompts,
+            ))
+        elif name == "qwen0_5b_shape":
+            from configs import qwen0_5b
+
+            c = qwen0_5b.get_config("mars")
+            cfg = ModelConfig(**{**c.model.to_dict(), "dtype": "float32", "param_dtype": "float32"})
+            rng = np.random.default_rng(0)
+            prompts = rng.integers(0, ENDOFTEXT_ID, (max(batch_sizes), shape_prompt_len))
+            subjects.append(make_subject(
+                name, Qwen2(cfg, rngs=nnx.Rngs(0)), prompts.tolist(),
+                block_size=c.objective.block_size, max_new_tokens=shape_max_new_tokens,
+                eos_ids=(), one_threshold=True,
+            ))
+        else:
+            raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+    return subjects
+
+
+def transformers_generate(hf, prompts, *, batch_size: int, max_new_tokens: int,
+                          eos_ids: Sequence[int], pad_id: int) -> decode.DecodeOutput:
+    """Greedy ``hf.generate`` of ``prompts`` in batches, left-padded to the longest prompt with
+    an attention mask, as a `decode.DecodeOutput` (cut before the first of ``eos_ids``;
+    forwards = generated positions of each batch, its prefill included)."""
+    import torch
+
+    width = max(map(len, prompts))
+    outputs = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        ids = np.full((len(chunk), width), pad_id, np.int64)
+        mask = np.zeros_like(ids)
+        for r, p in enumerate(chunk):
+            ids[r, width - len(p) :], mask[r, width - len(p) :] = p, 1
+        with torch.inference_mode():
+            seq = hf.generate(input_ids=torch.from_numpy(ids),
+                              attention_mask=torch.from_numpy(mask), max_new_tokens=max_new_tokens)
+        gen = seq[:, width:].numpy().astype(np.int32)
+        n = gen.shape[1]
+        is_eos = np.isin(gen, np.asarray(eos_ids, np.int32))
+        lengths = np.where(is_eos.any(1), is_eos.argmax(1), n).astype(np.int32)
+        accepted = np.where(is_eos.any(1), lengths + 1, n).astype(np.int32)
+        tokens = np.full((len(chunk), max_new_tokens), ENDOFTEXT_ID, np.int32)
+        for r, length in enumerate(lengths):
+            tokens[r, :length] = gen[r, :length]
+        outputs.append(decode.DecodeOutput(tokens, lengths, accepted, accepted, n))
+    return decode.DecodeOutput.concatenate(outputs)
+
+
+def decoder_run(s: Subject, decoder: str, *, batch: int, threshold: float):
+    """One configuration: a function that decodes ``s.prompts_for(batch)`` with ``decoder``
+    (`DECODERS`) at ``threshold`` and returns its `decode.DecodeOutput`."""
+    prompts = s.prompts_for(batch)
+    common = dict(batch_size=batch, pad_id=s.pad_id, max_new_tokens=s.max_new_tokens,
+                  eos_ids=s.eos_ids)
+    if decoder == "transformers":
+        return lambda: transformers_generate(s.hf, prompts, **common)
+    block_size, kwargs = (s.block_size, MARS[decoder]) if decoder in MARS else (1, AR)
+    return lambda: decode.generate_batched(s.model, prompts, block_size=block_size,
+                                           threshold=threshold, **kwargs, **common)
+
+
+def best_seconds(runs, repeats: int) -> list[float]:
+    """The fastest wall seconds of each of ``runs`` over ``repeats`` rounds; each round runs
+    every one once, in turn, so that a shared machine's changing load favours none."""
+    best = [math.inf] * len(runs)
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def benchmark(subjects: Sequence[Subject], *, batch_sizes: Sequence[int],
+              thresholds: Sequence[float], decoders: Sequence[str] = DECODERS,
+              repeats: int = 2) -> list[dict]:
+    """Every (model, batch, decoder, threshold) row, with all of `KEYS`. ar (the speedup
+    baseline) is always included, ar and transformers at threshold 1.0 only. Per model and
+    batch, every configuration runs once untimed (compilation), then `best_seconds`."""
     rows = []
-    for batch in batch_sizes:
-        base = _time(model, prompts, batch=batch, block_size=1, threshold=1.0, **timing)
-        rows.append({"batch": batch, "decoder": "ar", "threshold": 1.0, **base})
-        print(
-            f"| {batch} | AR (KV cache) | 1.00 | {base['tokens_per_forward']:.2f} | "
-            f"{base['tokens_per_s']:.1f} | 1.00x |"
-        )
-        for threshold in thresholds:
-            r = _time(
-                model, prompts, batch=batch, block_size=block_size, threshold=threshold, **timing
-            )
-            rows.append({"batch": batch, "decoder": "mars", "threshold": threshold, **r})
-            print(
-                f"| {batch} | MARS B={block_size} | {threshold:.2f} | "
-                f"{r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | "
-                f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x |"
-            )
+    for s in subjects:
+        mars = [min(thresholds)] if s.one_threshold else list(thresholds)
+        configs = [(d, t) for d in DECODERS if d == "ar" or d in decoders
+                   for t in (mars if d in MARS else [1.0])]
+        for batch in batch_sizes:
+            runs = [decoder_run(s, d, batch=batch, threshold=t) for d, t in configs]
+            outs = [run() for run in runs]
+            seconds = best_seconds(runs, repeats)
+            ar = outs[0].accepted.sum() / seconds[0]
+            for (decoder, threshold), out, sec in zip(configs, outs, seconds):
+                tokens = int(out.accepted.sum())
+                speedup = tokens / sec / ar
+                same = [a == b for a, b in zip(out.completions(), outs[0].completions())]
+                rows.append(dict(
+                    model=s.name, decoder=decoder, batch=batch, threshold=threshold,
+                    block_size=s.block_size if decoder in MARS else 1,
+                    prompts=len(out.lengths), max_new_tokens=s.max_new_tokens, tokens=tokens,
+                    forwards=out.forwards, seconds=sec,
+                    tokens_per_forward=out.tokens_per_forward, step_ms=1e3 * sec / out.forwards,
+                    tokens_per_s=tokens / sec, speedup=float(speedup),
+                    conversion=float(speedup / out.tokens_per_forward),
+                    same_as_ar=float(np.mean(same))))
     return rows
 
 
+def markdown(rows: Sequence[dict]) -> str:
+    """The rows as a markdown table."""
+    lines = ["| model | decoder | batch | threshold | tokens/forward | step ms | tokens/s | "
+             "speedup | conversion | same as AR |", "|---" * 10 + "|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['decoder']} | {r['batch']} | {r['threshold']:.2f} | "
+            f"{r['tokens_per_forward']:.2f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['conversion']:.2f} | {r['same_as_ar']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path: str) -> None:
+    """Speedup over ar vs batch size, one line per decoder (colour) and threshold (line style,
+    marker), one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    thresholds = sorted({r["threshold"] for r in rows}, reverse=True)
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v")]
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        lines = {}
+        for r in rows:
+            if r["model"] == model:
+                lines.setdefault((r["decoder"], r["threshold"]), []).append(r)
+        for (decoder, threshold), line in lines.items():
+            style, marker = styles[thresholds.index(threshold) % len(styles)]
+            mars = decoder in MARS
+            ax.plot([r["batch"] for r in line], [r["speedup"] for r in line],
+                    color=f"C{DECODERS.index(decoder)}", linestyle=style, marker=marker,
+                    label=f"{decoder} t={threshold:g}" if mars else decoder)
+        ax.set(xlabel="batch size", ylabel="speedup over ar (tokens/s)", title=model)
+        ax.set_xscale("log", base=2)
+        batches = sorted({r["batch"] for r in rows if r["model"] == model})
+        ax.set_xticks(batches, [str(b) for b in batches], minor=False)
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
+    """decode_speed.md (``header`` then the table), .jsonl (one row a line) and .png (`plot`)."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "decode_speed.md"), "w") as f:
+        f.write(header + markdown(rows))
+    with open(os.path.join(output_dir, "decode_speed.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    plot(rows, os.path.join(output_dir, "decode_speed.png"))
+
+
 def main() -> None:
-    config = cli.config_flag(help="Run config (eval data).")
-    workdir = cli.workdir_flag("Trained MARS run directory.")
-    batch_sizes = flags.DEFINE_list("batch_sizes", ["4", "16"], "Batch sizes to time.")
+    config = cli.config_flag(help="Config of the trained run (its eval data gives the prompts).")
+    workdir = flags.DEFINE_string("workdir", None, "Trained run directory (--model=trained).")
+    models = flags.DEFINE_list("model", ["both"], f"Models: both, or a list of {MODELS}.")
+    decoders = flags.DEFINE_list("decoders", list(DECODERS), "Decoders (ar is always timed).")
+    batch_sizes = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes.")
     thresholds = flags.DEFINE_list("thresholds", ["1.0", "0.95", "0.9", "0.8"], "MARS thresholds.")
-    num_prompts = flags.DEFINE_integer("num_prompts", 32, "Prompts decoded per configuration.")
-    max_new = flags.DEFINE_integer("max_new_tokens", 128, "Completion budget.")
+    num_prompts = flags.DEFINE_integer(
+        "num_prompts", 64, "Trained model: prompts per configuration (whole batches).")
+    max_new = flags.DEFINE_integer("max_new_tokens", 128, "Trained model: completion budget.")
+    shape_len = flags.DEFINE_integer("shape_prompt_len", 40, "qwen0_5b_shape: prompt tokens.")
+    shape_new = flags.DEFINE_integer("shape_max_new_tokens", 16, "qwen0_5b_shape: new tokens.")
     repeats = flags.DEFINE_integer("repeats", 2, "Timed runs per configuration (best is kept).")
+    as_json = flags.DEFINE_bool("json", False, "Print one JSON line per row, not a table.")
+    output_dir = flags.DEFINE_string("output_dir", "", "Write decode_speed.{md,jsonl,png} here.")
 
     def run():
-        rows = benchmark(
-            config.value,
-            workdir.value,
-            batch_sizes=[int(b) for b in batch_sizes.value],
-            thresholds=[float(t) for t in thresholds.value],
-            num_prompts=num_prompts.value,
-            max_new_tokens=max_new.value,
-            repeats=repeats.value,
+        import jax
+        import torch
+
+        names = list(MODELS) if models.value == ["both"] else models.value
+        unknown = set(decoders.value) - set(DECODERS)
+        if unknown:
+            raise ValueError(f"unknown decoders {sorted(unknown)}; expected some of {DECODERS}")
+        sizes = [int(b) for b in batch_sizes.value]
+        subjects = build_subjects(
+            names, batch_sizes=sizes, workdir=workdir.value, config=config.value,
+            num_prompts=num_prompts.value, max_new_tokens=max_new.value,
+            shape_prompt_len=shape_len.value, shape_max_new_tokens=shape_new.value)
+        rows = benchmark(subjects, batch_sizes=sizes,
+                         thresholds=[float(t) for t in thresholds.value],
+                         decoders=decoders.value, repeats=repeats.value)
+        header = (
+            f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; transformers on torch "
+            f"{torch.__version__} with {torch.get_num_threads()} threads; best of "
+            f"{repeats.value}. "
+            + " ".join(f"{s.name}: block size {s.block_size}, max_new_tokens "
+                       f"{s.max_new_tokens}, EOS {list(s.eos_ids) or 'none'}." for s in subjects)
+            + "\n\n"
         )
-        print(json.dumps(rows))
+        print("\n".join(json.dumps(r) for r in rows) if as_json.value else header + markdown(rows))
+        if output_dir.value:
+            write(rows, output_dir.value, header)
 
     cli.run(run)
 

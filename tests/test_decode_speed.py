@@ -1,0 +1,92 @@
+"""Tests of benchmarks/decode_speed.py on tiny random fp32 models: the rows it reports, and
+transformers' greedy generate as an independent oracle of our AR decoder on the same weights.
+
+The final RMSNorm weight is scaled up so that the random models' distributions are peaked
+(argmax far from ties between the two implementations' rounding).
+"""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks import decode_speed as ds
+from mars_jax import decode
+from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID
+
+CFG = ModelConfig(
+    vocab_size=151680,  # covers the special ids 151643..151665
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,  # a tied head mostly predicts the input token back
+)
+
+
+def make_model(scale: float = 300.0, **overrides) -> Qwen2:
+    model = Qwen2(ModelConfig(**{**CFG.__dict__, **overrides}), rngs=nnx.Rngs(0))
+    model.norm.weight[...] = model.norm.weight[...] * scale
+    return model
+
+
+def prompts(lengths, seed=0, last=None):
+    rng = np.random.default_rng(seed)
+    out = [rng.integers(0, ENDOFTEXT_ID, n).tolist() for n in lengths]
+    return [p[:-1] + [last] for p in out] if last is not None else out
+
+
+@pytest.fixture(scope="module")
+def subject():
+    return ds.make_subject(
+        "tiny", make_model(), prompts([5, 9, 3, 7]), block_size=4, max_new_tokens=2,
+        min_prompts=2,
+    )
+
+
+def test_rows(subject):
+    rows = ds.benchmark([subject], batch_sizes=[2], thresholds=[0.9], repeats=1)
+    assert [r["decoder"] for r in rows] == list(ds.DECODERS)
+    for r in rows:
+        assert set(ds.KEYS) <= set(json.loads(json.dumps(r)))
+        assert (r["model"], r["batch"], r["prompts"]) == ("tiny", 2, 2)
+        assert r["tokens"] == 4 and r["step_ms"] > 0 and r["tokens_per_s"] > 0
+    ar, transformers = rows[0], rows[-1]
+    assert ar["tokens_per_forward"] == 1.0 and ar["speedup"] == 1.0
+    assert ar["threshold"] == 1.0 and ar["block_size"] == 1 and ar["forwards"] == 2
+    assert transformers["tokens_per_forward"] == 1.0
+    assert transformers["same_as_ar"] == 1.0  # the same greedy tokens (see the oracle test)
+    assert [r["block_size"] for r in rows[1:-1]] == [4] * 4
+    assert rows[-2]["decoder"] == "verify" and rows[-2]["same_as_ar"] == 1.0  # lossless
+
+
+def test_transformers_generates_our_greedy_tokens(subject):
+    """Prompts of different lengths (left-padded for transformers, right-padded for us), two
+    batches, 8 tokens each: the same completions, EOS included, and the same lengths."""
+    kw = dict(batch_size=2, max_new_tokens=8, eos_ids=subject.eos_ids, pad_id=ENDOFTEXT_ID)
+    ours = decode.generate_batched(subject.model, subject.prompts, block_size=1, threshold=1.0,
+                                   **kw)
+    theirs = ds.transformers_generate(subject.hf, subject.prompts, **kw)
+    assert theirs.completions() == ours.completions()
+    np.testing.assert_array_equal(theirs.accepted, ours.accepted)
+
+
+def test_no_eos_generates_the_whole_budget():
+    """eos_ids=(): every decoder generates max_new_tokens per row, even where the model's
+    argmax is <|im_end|> (the exported config.json's eos_token_id, which transformers would
+    fall back to)."""
+    model = make_model(30.0, tie_word_embeddings=True)  # tends to predict its input back
+    s = ds.make_subject("eosless", model, prompts([4, 6], last=IM_END_ID), block_size=2,
+                        max_new_tokens=5, eos_ids=())
+    kw = dict(batch_size=2, max_new_tokens=5, eos_ids=(), pad_id=ENDOFTEXT_ID)
+    ours = decode.generate_batched(model, s.prompts, block_size=1, threshold=1.0, **kw)
+    theirs = ds.transformers_generate(s.hf, s.prompts, **kw)
+    assert IM_END_ID in ours.tokens
+    np.testing.assert_array_equal(ours.lengths, [5, 5])
+    np.testing.assert_array_equal(theirs.tokens, ours.tokens)
+    np.testing.assert_array_equal(theirs.accepted, ours.accepted)
