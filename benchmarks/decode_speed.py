@@ -12,10 +12,15 @@ with the same completion budget, with every decoder:
 
   ar            block_size 1, threshold 1.0: one token per forward over a one-token window with
                 the KV cache (`decode.generate`), the baseline of every speedup;
-  sliding       MARS threshold decoding, per-row sliding windows over the KV cache;
+  sliding       MARS threshold decoding, per-row sliding windows over the KV cache (a B-slot
+                window on steps where every row needs no more, else 2B-1 slots);
+  sliding_fixed the same with the window always 2B-1 slots (``adaptive_window=False``): what
+                the adaptive window saves;
   block         MARS with the reference's block-aligned cache (rows wait for each other at block
                 ends, and one more forward per block writes it to the cache);
-  none          MARS without a KV cache (every forward runs the whole sequence);
+  none          MARS without a KV cache (every forward runs the whole sequence; on
+                qwen0_5b_shape only up to batch 4, as a full recompute of 64 rows takes tens
+                of minutes on a CPU and its cost is plain from the roofline note);
   verify        lossless rule "verify" over the sliding cache: the threshold chooses the drafts
                 that the next forward checks against its own AR predictions, so the output is
                 ar's (same_as_ar 1.0) and only the number of forwards changes;
@@ -51,9 +56,11 @@ Timing: per model and batch size, each configuration runs once untimed (compilat
 allocation); then ``--repeats`` rounds run every configuration once, in turn (so that a shared
 machine's changing load favours none), and each reports its fastest run. Columns:
   tokens_per_forward  generated tokens (EOS included) / forwards in which a row was active;
-  step_ms             wall milliseconds / decoding forwards of the batches (the prefill's
-                      time is included, not counted as a forward: with few new tokens, as on
-                      qwen0_5b_shape, it inflates every decoder's step_ms alike);
+  prefill_ms          the prefill of the batches alone (our jitted prefill forward, or
+                      transformers' first forward; 0 for none, which has no prefill);
+  step_ms             (wall milliseconds - prefill_ms) / decoding forwards of the batches
+                      (transformers' first token comes from its prefill: its decoding
+                      forwards are one fewer per batch);
   tokens_per_s        generated tokens (EOS included) / wall seconds;
   speedup             tokens_per_s / that of ar at the same model and batch;
   conversion          speedup / tokens_per_forward: the fraction of the ideal speedup kept
@@ -64,6 +71,7 @@ machine's changing load favours none), and each reports its fastest run. Columns
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -71,18 +79,21 @@ import tempfile
 import time
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from flax import nnx
 
 from mars_jax import cli, data, decode, huggingface, workdir as wd
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig, Qwen2, init_cache
 from mars_jax.tokenizer import ENDOFTEXT_ID
 
 MODELS = ("trained", "qwen0_5b_shape")
 # MARS decoders: the `decode.generate` keywords besides block size and threshold.
 MARS = {
     "sliding": dict(cache_mode="sliding", rule="prob"),
+    "sliding_fixed": dict(cache_mode="sliding", rule="prob", adaptive_window=False),
     "block": dict(cache_mode="block", rule="prob"),
     "none": dict(cache_mode="none", rule="prob"),
     "verify": dict(cache_mode="sliding", rule="verify"),
@@ -91,7 +102,8 @@ AR = dict(cache_mode="sliding", rule="prob")  # with block_size 1 and threshold 
 DECODERS = ("ar", *MARS, "transformers")
 KEYS = (
     "model", "decoder", "batch", "threshold", "block_size", "prompts", "max_new_tokens",
-    "tokens", "forwards", "seconds", "tokens_per_forward", "step_ms", "tokens_per_s",
+    "tokens", "forwards", "seconds", "prefill_ms", "tokens_per_forward", "step_ms",
+    "tokens_per_s",
     "speedup", "conversion", "same_as_ar",
 )
 
@@ -107,6 +119,7 @@ class Subject:
     eos_ids: stop tokens of every decoder (empty: never stop); pad_id: prompt padding id.
     min_prompts: prompts decoded per configuration, at least (see prompts).
     one_threshold: time MARS decoders at the lowest threshold only (meaningless acceptance).
+    none_max_batch: largest batch size at which ``none`` (full recompute) is timed.
     """
 
     name: str
@@ -119,6 +132,7 @@ class Subject:
     pad_id: int = ENDOFTEXT_ID
     min_prompts: int = 1
     one_threshold: bool = False
+    none_max_batch: int | None = None
 
     def prompts_for(self, batch: int) -> list[list[int]]:
         """The prompts that every configuration at batch size ``batch`` decodes."""
@@ -180,7 +194,7 @@ def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir:
             subjects.append(make_subject(
                 name, Qwen2(cfg, rngs=nnx.Rngs(0)), prompts.tolist(),
                 block_size=c.objective.block_size, max_new_tokens=shape_max_new_tokens,
-                eos_ids=(), one_threshold=True,
+                eos_ids=(), one_threshold=True, none_max_batch=4,
             ))
         else:
             raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
@@ -196,12 +210,7 @@ def transformers_generate(hf, prompts, *, batch_size: int, max_new_tokens: int,
 
     width = max(map(len, prompts))
     outputs = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        ids = np.full((len(chunk), width), pad_id, np.int64)
-        mask = np.zeros_like(ids)
-        for r, p in enumerate(chunk):
-            ids[r, width - len(p) :], mask[r, width - len(p) :] = p, 1
+    for ids, mask in _padded_batches(prompts, batch_size, pad_id, left=True):
         with torch.inference_mode():
             seq = hf.generate(input_ids=torch.from_numpy(ids),
                               attention_mask=torch.from_numpy(mask), max_new_tokens=max_new_tokens)
@@ -210,11 +219,61 @@ def transformers_generate(hf, prompts, *, batch_size: int, max_new_tokens: int,
         is_eos = np.isin(gen, np.asarray(eos_ids, np.int32))
         lengths = np.where(is_eos.any(1), is_eos.argmax(1), n).astype(np.int32)
         accepted = np.where(is_eos.any(1), lengths + 1, n).astype(np.int32)
-        tokens = np.full((len(chunk), max_new_tokens), ENDOFTEXT_ID, np.int32)
+        tokens = np.full((len(ids), max_new_tokens), ENDOFTEXT_ID, np.int32)
         for r, length in enumerate(lengths):
             tokens[r, :length] = gen[r, :length]
         outputs.append(decode.DecodeOutput(tokens, lengths, accepted, accepted, n))
     return decode.DecodeOutput.concatenate(outputs)
+
+
+def _padded_batches(prompts, batch_size: int, pad_id: int, left: bool = False):
+    """The prompts as int arrays [batch_size, longest prompt] (right-padded, or left-padded for
+    transformers) and a 0/1 mask of the prompt tokens, batch after batch."""
+    width = max(map(len, prompts))
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        ids = np.full((len(chunk), width), pad_id, np.int64)
+        mask = np.zeros_like(ids)
+        for r, p in enumerate(chunk):
+            at = slice(width - len(p), width) if left else slice(0, len(p))
+            ids[r, at], mask[r, at] = p, 1
+        yield ids, mask
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots"))
+def _jax_prefill(graphdef, params, ids, *, slots: int):
+    """The decoder's prefill: every prompt slot's key/value written to a cache of ``slots``."""
+    model = nnx.merge(graphdef, params)
+    rows, width = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(width), (rows, width))
+    cache = init_cache(model.cfg, rows, slots)
+    mask = jnp.arange(slots)[None, None, :] <= pos[:, :, None]
+    return model(ids, pos, mask, cache, jnp.zeros((rows,), jnp.int32))[1]
+
+
+def prefill_run(s: Subject, family: str, *, batch: int, block_size: int):
+    """A function that runs only the prefill of every batch of ``s.prompts_for(batch)``: ours
+    (``family`` "jax", the cache sized as `decode.generate` sizes it for ``block_size``) or
+    transformers' first forward ("transformers")."""
+    prompts = s.prompts_for(batch)
+    if family == "transformers":
+        import torch
+
+        batches = list(_padded_batches(prompts, batch, s.pad_id, left=True))
+
+        def run():
+            with torch.inference_mode():
+                for ids, mask in batches:
+                    s.hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                         use_cache=True)
+        return run
+    graphdef, params = nnx.split(s.model)
+    width = max(map(len, prompts))
+    slots = width + s.max_new_tokens + 2 * (2 * block_size - 1)
+    batches = [jnp.asarray(ids, jnp.int32) for ids, _ in _padded_batches(prompts, batch, s.pad_id)]
+    return lambda: [
+        jax.block_until_ready(_jax_prefill(graphdef, params, ids, slots=slots)) for ids in batches
+    ]
 
 
 def decoder_run(s: Subject, decoder: str, *, batch: int, threshold: float):
@@ -251,23 +310,39 @@ def benchmark(subjects: Sequence[Subject], *, batch_sizes: Sequence[int],
     rows = []
     for s in subjects:
         mars = [min(thresholds)] if s.one_threshold else list(thresholds)
-        configs = [(d, t) for d in DECODERS if d == "ar" or d in decoders
-                   for t in (mars if d in MARS else [1.0])]
         for batch in batch_sizes:
+            configs = [
+                (d, t) for d in DECODERS if d == "ar" or d in decoders
+                if not (d == "none" and batch > (s.none_max_batch or batch))
+                for t in (mars if d in MARS else [1.0])
+            ]
+            prefills = {"jax_1": prefill_run(s, "jax", batch=batch, block_size=1),
+                        "jax_b": prefill_run(s, "jax", batch=batch, block_size=s.block_size)}
+            if "transformers" in decoders:
+                prefills["transformers"] = prefill_run(s, "transformers", batch=batch,
+                                                       block_size=1)
             runs = [decoder_run(s, d, batch=batch, threshold=t) for d, t in configs]
             outs = [run() for run in runs]
-            seconds = best_seconds(runs, repeats)
+            for run in prefills.values():
+                run()
+            seconds = best_seconds(runs + list(prefills.values()), repeats)
+            prefill = dict(zip(prefills, seconds[len(runs) :]))
             ar = outs[0].accepted.sum() / seconds[0]
             for (decoder, threshold), out, sec in zip(configs, outs, seconds):
                 tokens = int(out.accepted.sum())
                 speedup = tokens / sec / ar
+                pre = {"ar": prefill["jax_1"], "none": 0.0}.get(
+                    decoder, prefill.get(decoder, prefill["jax_b"]))
+                # transformers' first token comes from its prefill.
+                steps = out.forwards - (len(out.lengths) // batch) * (decoder == "transformers")
                 same = [a == b for a, b in zip(out.completions(), outs[0].completions())]
                 rows.append(dict(
                     model=s.name, decoder=decoder, batch=batch, threshold=threshold,
                     block_size=s.block_size if decoder in MARS else 1,
                     prompts=len(out.lengths), max_new_tokens=s.max_new_tokens, tokens=tokens,
-                    forwards=out.forwards, seconds=sec,
-                    tokens_per_forward=out.tokens_per_forward, step_ms=1e3 * sec / out.forwards,
+                    forwards=out.forwards, seconds=sec, prefill_ms=1e3 * pre,
+                    tokens_per_forward=out.tokens_per_forward,
+                    step_ms=1e3 * (sec - pre) / max(steps, 1),
                     tokens_per_s=tokens / sec, speedup=float(speedup),
                     conversion=float(speedup / out.tokens_per_forward),
                     same_as_ar=float(np.mean(same))))
@@ -349,7 +424,6 @@ def main() -> None:
     output_dir = flags.DEFINE_string("output_dir", "", "Write decode_speed.{md,jsonl,png} here.")
 
     def run():
-        import jax
         import torch
 
         names = list(MODELS) if models.value == ["both"] else models.value

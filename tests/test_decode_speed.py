@@ -61,7 +61,11 @@ def test_rows(subject):
     assert ar["threshold"] == 1.0 and ar["block_size"] == 1 and ar["forwards"] == 2
     assert transformers["tokens_per_forward"] == 1.0
     assert transformers["same_as_ar"] == 1.0  # the same greedy tokens (see the oracle test)
-    assert [r["block_size"] for r in rows[1:-1]] == [4] * 4
+    assert [r["block_size"] for r in rows[1:-1]] == [4] * 5
+    prefill = {r["decoder"]: r["prefill_ms"] for r in rows}
+    assert prefill["none"] == 0.0 and prefill["ar"] > 0 and prefill["transformers"] > 0
+    for r in rows:  # the prefill is part of the wall time, not of the decoding steps
+        assert r["prefill_ms"] < 1e3 * r["seconds"]
     assert rows[-2]["decoder"] == "verify" and rows[-2]["same_as_ar"] == 1.0  # lossless
 
 
