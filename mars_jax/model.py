@@ -138,6 +138,14 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, names, bias: bool, rngs: nn
     )
 
 
+def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """``cache`` [R, S, ...] with ``new`` [R, T, ...] written at slots ``start[r] ..
+    start[r] + T - 1`` of each row r (``start`` int [R])."""
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=0))(
+        cache, new, start
+    )
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary embeddings and an optional functional KV cache."""
 
@@ -164,11 +172,8 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = self.v_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim)
         if cache is not None:
-            write = jax.vmap(
-                lambda c, new, i: jax.lax.dynamic_update_slice_in_dim(c, new, i, axis=0)
-            )
-            k = write(cache["k"], k.astype(cache["k"].dtype), cache_index)
-            v = write(cache["v"], v.astype(cache["v"].dtype), cache_index)
+            k = write_rows(cache["k"], k.astype(cache["k"].dtype), cache_index)
+            v = write_rows(cache["v"], v.astype(cache["v"].dtype), cache_index)
             cache = {"k": k, "v": v}
         # Decoding (with a cache) masks per row and slot: always the dense path.
         out = attend(q, k, v, mask, "xla" if cache is not None else cfg.attention)
