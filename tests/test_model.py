@@ -14,7 +14,17 @@ from transformers import AutoModelForCausalLM
 
 from conftest import TINY, hf_logits, save_hf
 from mars_jax import huggingface
-from mars_jax.model import ModelConfig, RMSNorm, causal_mask, init_cache, rope_tables
+from mars_jax import model as model_lib
+from mars_jax.model import (
+    SELECT_MAX_SLOTS,
+    ModelConfig,
+    RMSNorm,
+    causal_mask,
+    init_cache,
+    read_rows,
+    rope_tables,
+    write_rows,
+)
 
 
 @nnx.jit
@@ -349,3 +359,47 @@ def test_chunked_cached_forward_equals_full_forward(untied_ckpt):
     # Slots past the written prefix are untouched.
     assert float(jnp.abs(cache["k"][:, :, t:]).max()) == 0.0
     assert all(float(jnp.abs(cache["k"][i, :, t - 1]).max()) > 0 for i in range(layers))
+
+
+
+# Per-row windows: write_rows / read_rows as called (on CPU: the vmapped dynamic slices), and their
+# TPU implementation (elementwise selects) run here on CPU.
+ROW_WRITES = {"write_rows": write_rows, "select": model_lib._write_select}
+ROW_READS = {"read_rows": read_rows, "select": model_lib._read_select}
+
+
+@pytest.mark.parametrize("impl", ROW_WRITES)
+@pytest.mark.parametrize("t", [1, 7, SELECT_MAX_SLOTS, SELECT_MAX_SLOTS + 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_write_rows_writes_each_row_at_its_own_positions(impl, t, dtype):
+    # Windows at either end of the array, trailing [K, H] dims; exact values, the rest untouched.
+    r, n = 5, 40
+    rng = np.random.default_rng(t)
+    x = (rng.standard_normal((r, n, 2, 3)) * 100).astype(dtype)
+    new = (rng.standard_normal((r, t, 2, 3)) * 100).astype(dtype)
+    start = np.array([0, n - t, 3, 11, 3], np.int32)
+    ref = x.copy()
+    for i in range(r):
+        ref[i, start[i] : start[i] + t] = new[i]
+    out = jax.jit(ROW_WRITES[impl])(jnp.asarray(x, dtype), jnp.asarray(new, dtype),
+                                    jnp.asarray(start))
+    assert out.dtype == jnp.dtype(dtype) and out.shape == x.shape
+    ref = jnp.asarray(ref, dtype)  # bf16: the same rounding of the same inputs
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(ref.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("impl", ROW_READS)
+@pytest.mark.parametrize("size", [1, 7, SELECT_MAX_SLOTS, SELECT_MAX_SLOTS + 3])
+@pytest.mark.parametrize("shape", [(5, 40), (5, 40, 3)])
+def test_read_rows_reads_each_row_at_its_own_positions(impl, size, shape):
+    r, n = shape[:2]
+    rng = np.random.default_rng(size)
+    x = rng.integers(-1000, 1000, shape).astype(np.int32)
+    start = np.array([0, n - size, 3, 11, 3], np.int32)
+    ref = np.stack([x[i, start[i] : start[i] + size] for i in range(r)])
+    for dtype in ("int32", "float32"):
+        out = jax.jit(ROW_READS[impl], static_argnums=2)(jnp.asarray(x, dtype),
+                                                         jnp.asarray(start), size)
+        assert out.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(out), ref.astype(dtype))
