@@ -57,7 +57,9 @@ from mars_jax.model import (
     Qwen2,
     causal_mask,
     init_cache,
+    read_rows,
     with_logical_constraint,
+    write_rows,
 )
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
@@ -123,18 +125,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, rows: int | None 
             raise ValueError(f"prompt {i} is empty")
         ids[i, : len(p)], lengths[i] = p, len(p)
     return ids, lengths
-
-
-def _rowwise_slice(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
-    """x [R, N, ...] -> [R, size, ...], row r starting at start[r] (clamped into range)."""
-    return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size, axis=0))(x, start)
-
-
-def _rowwise_update(x: jax.Array, update: jax.Array, start: jax.Array) -> jax.Array:
-    """x [R, N, ...] with update [R, U, ...] written at start[r] in row r."""
-    return jax.vmap(lambda r, u, s: jax.lax.dynamic_update_slice_in_dim(r, u, s, axis=0))(
-        x, update, start
-    )
 
 
 def confidence(logits: jax.Array, token: jax.Array, rule: str) -> jax.Array:
@@ -309,30 +299,30 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         start = s.cache_cursor if s.cache is not None else jnp.zeros_like(s.cache_cursor)
         fed = s.committed + s.num_drafts  # committed tokens and drafts; masks after them
         pos = start[:, None] + jnp.arange(width)
-        ids = jnp.where(pos < fed[:, None], _rowwise_slice(s.tokens, start, width), st.mask_id)
+        ids = jnp.where(pos < fed[:, None], read_rows(s.tokens, start, width), st.mask_id)
         hidden, cache = forward(ids, start, s.cache)
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
-        logits = project(_rowwise_slice(hidden, first, B))  # [R, B, V]
+        logits = project(read_rows(hidden, first, B))  # [R, B, V]
         token = choose(logits, s.forwards)
         if st.rule != "verify":
             ok = _confident(confidence(logits, token, st.rule), threshold)
             count, hit_eos = _count(token, ok, eos, budget(s))
             return advance(
-                s, cache=cache, tokens=_rowwise_update(s.tokens, token, s.committed),
+                s, cache=cache, tokens=write_rows(s.tokens, token, s.committed),
                 count=count, hit_eos=hit_eos, cache_cursor=s.committed, accepted=token,
             )
         # verify: candidate i (i >= 1) is the AR prediction after draft i-1; it is exact while
         # every draft before it equals the AR prediction at its position.
-        drafts = _rowwise_slice(s.tokens, s.committed, B)
+        drafts = read_rows(s.tokens, s.committed, B)
         i = jnp.arange(1, B)[None]
         ok = jnp.pad((i <= s.num_drafts[:, None]) & (drafts[:, :-1] == token[:, :-1]), ((0, 0), (1, 0)))
         count, hit_eos = _count(token, ok, eos, budget(s))
-        tokens = _rowwise_update(s.tokens, token, s.committed)
+        tokens = write_rows(s.tokens, token, s.committed)
         # New drafts: the masks after the last draft predict the tokens after the AR token that
         # follows it; they are valid only where every draft was accepted.
         if B > 1:
-            draft_logits = project(_rowwise_slice(hidden, first + s.num_drafts + 1, B - 1))
+            draft_logits = project(read_rows(hidden, first + s.num_drafts + 1, B - 1))
             new_drafts = choose(draft_logits, s.forwards)
             sure = _confident(confidence(draft_logits, new_drafts, "prob"), threshold)
             # The next step accepts at most its drafts + 1 tokens: no more drafts than that uses.
@@ -340,7 +330,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
             num = jnp.minimum(jnp.cumprod(sure, axis=1).sum(axis=1), jnp.maximum(room, 0))
             all_ok = (count == s.num_drafts + 1) & ~hit_eos
             num_drafts = jnp.where(all_ok, num, 0).astype(jnp.int32)
-            tokens = _rowwise_update(tokens, new_drafts, s.committed + count)
+            tokens = write_rows(tokens, new_drafts, s.committed + count)
         else:
             num_drafts = jnp.zeros_like(s.num_drafts)
         return advance(
@@ -365,7 +355,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
     def block_fill(s: DecodeState) -> DecodeState:
         start = s.cache_cursor
         filled = s.committed - start
-        block = _rowwise_slice(s.tokens, start, B)
+        block = read_rows(s.tokens, start, B)
         ids = jnp.where(block_pos[None] < filled[:, None], block, st.mask_id)
         hidden, cache = forward(ids, start, s.cache)  # its block keys/values are rewritten later
         # Candidate for block position i: the prefix's prediction (i = 0) or slot i-1's output.
@@ -375,27 +365,27 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         cand = jnp.concatenate([block[:, :1], token], axis=1)  # [R, B]
         conf = jnp.concatenate([jnp.ones_like(conf[:, :1]), conf], axis=1)
         pad = lambda x: jnp.pad(x, ((0, 0), (0, B)))
-        cand = _rowwise_slice(pad(cand), filled, B)
-        ok = _confident(_rowwise_slice(pad(conf), filled, B), threshold)
+        cand = read_rows(pad(cand), filled, B)
+        ok = _confident(read_rows(pad(conf), filled, B), threshold)
         count, hit_eos = _count(cand, ok, eos, jnp.minimum(budget(s), B - filled))
         return advance(
-            s, cache=cache, tokens=_rowwise_update(s.tokens, cand, s.committed),
+            s, cache=cache, tokens=write_rows(s.tokens, cand, s.committed),
             count=count, hit_eos=hit_eos, cache_cursor=start, accepted=cand,
         )
 
     def block_commit(s: DecodeState) -> DecodeState:
         start = s.cache_cursor
-        hidden, cache = forward(_rowwise_slice(s.tokens, start, B), start, s.cache)
+        hidden, cache = forward(read_rows(s.tokens, start, B), start, s.cache)
         token = choose(project(hidden[:, B - 1 :]), s.forwards)  # the next block's first
         zero = jnp.zeros_like(start)
         return advance(
-            s, cache=cache, tokens=_rowwise_update(s.tokens, token, start + B), count=zero,
+            s, cache=cache, tokens=write_rows(s.tokens, token, start + B), count=zero,
             hit_eos=zero.astype(bool), cache_cursor=start + B,
         )
 
     def block_step(s: DecodeState) -> DecodeState:
         if B == 1:  # the block's one token is the prefix's prediction: accept it, then commit
-            pending = _rowwise_slice(s.tokens, s.committed, 1)
+            pending = read_rows(s.tokens, s.committed, 1)
             count, hit_eos = _count(pending, jnp.ones((rows, 1), bool), eos, budget(s))
             s = advance(
                 s, cache=s.cache, tokens=s.tokens, count=count, hit_eos=hit_eos,
@@ -423,9 +413,9 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
             cache_cursor = prompt_lengths - 1
         else:
             cache_cursor = prompt_lengths
-            last = _rowwise_slice(hidden, prompt_lengths - 1, 1)
+            last = read_rows(hidden, prompt_lengths - 1, 1)
             first = choose(project(last), jnp.int32(st.max_forwards))  # a key no step uses
-            tokens = _rowwise_update(tokens, first, prompt_lengths)
+            tokens = write_rows(tokens, first, prompt_lengths)
     init = DecodeState(
         cache=cache,
         tokens=tokens,
@@ -445,7 +435,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
     step = block_step if st.cache_mode == "block" else sliding_step
     s = jax.lax.while_loop(cond, step, init)
 
-    out = _rowwise_slice(s.tokens, prompt_lengths, st.max_new_tokens)
+    out = read_rows(s.tokens, prompt_lengths, st.max_new_tokens)
     within = jnp.arange(st.max_new_tokens)[None] < s.new_tokens[:, None]
     is_eos = jnp.isin(out, eos) & within
     lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
