@@ -37,9 +37,13 @@ Then, on this machine's CPU, the forward per write scheme is timed: a jitted ``f
 resulting cache to the first scheme's); and each read scheme on the token window, in µs per read.
 ``--cpu_repeats=0`` skips this; ``--topology=`` (empty) skips the TPU compiles.
 
-Topology: one v5e chip by default. `mars_jax.decode.generate` is a plain ``jit`` on one device
-(no mesh), so the single-chip program is the one the decoder runs, and a row loop is a per-device
-matter anyway. A multi-chip topology (e.g. ``v5e:2x2``) splits the rows over all chips (a
+``--decoders=ar,sliding,block,verify,none`` also lowers each whole decoder
+(`mars_jax.decode._generate`: prefill, the loop of steps, the output; prompts of 8 tokens, 8 new
+tokens, ``--block_size``) and reports its loops the same way: the step loop and the layer scans
+should be the only ones.
+
+Topology: one v5e chip by default: `mars_jax.decode.generate` without a mesh is a ``jit`` on one
+device, and a row loop is a per-device matter anyway. A multi-chip topology (e.g. ``v5e:2x2``) splits the rows over all chips (a
 data-parallel decode batch, parameters replicated) to check that a scheme keeps its rows local
 (no collectives); rows per device is then R / chips.
 
@@ -72,7 +76,7 @@ from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
-from mars_jax import cli, model as model_lib  # noqa: E402
+from mars_jax import cli, decode, model as model_lib, sharding  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Per-row writes: x [R, N, ...] with new [R, T, ...] at positions start[r] .. start[r] + T - 1.
@@ -520,6 +524,63 @@ def time_reads_cpu(*, rows, slots, window, reads, iters, repeats, seed=0) -> dic
 # ----------------------------------------------------------------------------------------------
 
 
+# Decoders lowered whole (``--decoders``): name -> (cache_mode, rule).
+DECODERS = {
+    "ar": ("sliding", "prob"),
+    "sliding": ("sliding", "prob"),
+    "block": ("block", "prob"),
+    "verify": ("sliding", "verify"),
+    "none": ("none", "prob"),
+}
+
+
+def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_size, decoders,
+                     emit) -> list[dict]:
+    """Lowers and compiles the whole decoder (`mars_jax.decode._generate`: prefill, the
+    ``while_loop`` of steps, the output) for each of ``decoders`` (`DECODERS`; "ar" with block
+    size 1) on ``devices``: one device, or a (data = all devices) mesh with the default rules,
+    as ``decode.generate(..., mesh=, rules=)`` runs it."""
+    mesh = rules = None
+    if len(devices) > 1:
+        mesh = sharding.make_mesh(data=-1, devices=devices)
+        rules = sharding.logical_rules()
+        param_sharding = NamedSharding(mesh, P())
+        row = lambda shape: NamedSharding(mesh, P(("data", "fsdp"), *[None] * (len(shape) - 1)))
+    else:
+        param_sharding = SingleDeviceSharding(devices[0])
+        row = lambda shape: param_sharding
+    graphdef, params = nnx.split(model_lib.abstract_model(cfg))
+    params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=param_sharding), params
+    )
+    arg = lambda shape, dtype, sh=None: jax.ShapeDtypeStruct(shape, dtype, sharding=sh or row(shape))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    out = []
+    for name in decoders:
+        cache_mode, rule = DECODERS[name]
+        b = 1 if name == "ar" else block_size
+        settings = decode._Settings(
+            block_size=b, max_new_tokens=max_new_tokens, eos_ids=decode.DEFAULT_EOS_IDS,
+            mask_id=decode.MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
+            adaptive_window=True, mesh=mesh, rules=rules, on_accept=None,
+        )
+        scalar = lambda dtype: arg((), dtype, param_sharding)
+        t0 = time.perf_counter()
+        compiled = decode._generate.lower(
+            graphdef, params, arg((rows, prompt_len), jnp.int32), arg((rows,), jnp.int32),
+            arg((rows,), jnp.float32), scalar(jnp.int32), scalar(jnp.float32),
+            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=param_sharding),
+            settings=settings,
+        ).compile()
+        result = {"kind": "decoder", "scheme": name, "window": 2 * b - 1, "rows": rows,
+                  "devices": len(devices), "max_forwards": settings.max_forwards,
+                  **hlo_summary(compiled, rows // len(devices)),
+                  "compile_s": round(time.perf_counter() - t0, 1)}
+        out.append(result)
+        emit(result)
+    return out
+
+
 def _loops_text(row: dict) -> str:
     if not row["loops"]:
         return "-"
@@ -566,6 +627,9 @@ def main() -> None:
     cpu_window = flags.DEFINE_integer("cpu_window", 7, "Window T of the CPU timing.")
     cpu_forwards = flags.DEFINE_integer("cpu_forwards", 8, "Forwards per timed CPU call.")
     cpu_repeats = flags.DEFINE_integer("cpu_repeats", 5, "Timed CPU calls (0: no CPU timing).")
+    decoders = flags.DEFINE_list(
+        "decoders", [], f"Whole decoders to lower, of {list(DECODERS)} (prompt 8, 8 new tokens).")
+    block_size = flags.DEFINE_integer("block_size", 4, "Block size of the --decoders.")
     as_json = flags.DEFINE_bool("json", False, "Print JSON lines instead of tables.")
 
     def run():
@@ -587,6 +651,8 @@ def main() -> None:
             kwargs = dict(rows=rows.value, slots=slots.value, windows=ws, emit=emit)
             compile_writes(cfg, devices, writes=writes.value, **kwargs)
             compile_reads(cfg, devices, reads=reads.value, **kwargs)
+            compile_decoders(cfg, devices, rows=rows.value, prompt_len=8, max_new_tokens=8,
+                             block_size=block_size.value, decoders=decoders.value, emit=emit)
         if cpu_repeats.value:
             t = time_writes_cpu(cfg, rows=rows.value, slots=slots.value, window=cpu_window.value,
                                 writes=writes.value, forwards=cpu_forwards.value,

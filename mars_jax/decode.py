@@ -296,10 +296,13 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
 
     # -- sliding / none: a window from the first uncached position ------------------------------
     def window_step(s: DecodeState, width: int) -> DecodeState:
-        start = s.cache_cursor if s.cache is not None else jnp.zeros_like(s.cache_cursor)
+        if s.cache is None:  # the whole sequence from position 0
+            start, window_ids = jnp.zeros_like(s.cache_cursor), s.tokens
+        else:
+            start, window_ids = s.cache_cursor, read_rows(s.tokens, s.cache_cursor, width)
         fed = s.committed + s.num_drafts  # committed tokens and drafts; masks after them
         pos = start[:, None] + jnp.arange(width)
-        ids = jnp.where(pos < fed[:, None], read_rows(s.tokens, start, width), st.mask_id)
+        ids = jnp.where(pos < fed[:, None], window_ids, st.mask_id)
         hidden, cache = forward(ids, start, s.cache)
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
@@ -404,8 +407,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         # Every prompt token's key/value; slots past a row's prompt hold stale values.
         cache = init_cache(model.cfg, rows, slots)
         hidden, cache = model(
-            prompt_ids, positions, slot_ids[None, None, :] <= positions[:, :, None], cache,
-            jnp.zeros((rows,), jnp.int32),
+            prompt_ids, positions, slot_ids[None, None, :] <= positions[:, :, None], cache
         )
         # sliding: the last prompt token starts the first window; block: the first block starts
         # after the prompt, and its first token is predicted from the prompt's last output.
@@ -435,7 +437,8 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
     step = block_step if st.cache_mode == "block" else sliding_step
     s = jax.lax.while_loop(cond, step, init)
 
-    out = read_rows(s.tokens, prompt_lengths, st.max_new_tokens)
+    new = prompt_lengths[:, None] + jnp.arange(st.max_new_tokens)
+    out = jnp.take_along_axis(s.tokens, new, axis=1)  # a gather, once: no loop over rows
     within = jnp.arange(st.max_new_tokens)[None] < s.new_tokens[:, None]
     is_eos = jnp.isin(out, eos) & within
     lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)

@@ -181,11 +181,14 @@ def _read_select(x, start, size):
     return jnp.sum(jnp.where(hit, x[:, None], jnp.zeros((), x.dtype)), axis=2, dtype=x.dtype)
 
 
-def write_rows(x: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+def write_rows(x: jax.Array, new: jax.Array, start: jax.Array | None) -> jax.Array:
     """``x`` [R, N, ...] with ``new`` [R, T, ...] written at positions ``start[r] .. start[r] +
     T - 1`` of each row r; ``start`` int [R], each window inside the array
-    (0 <= start[r] <= N - T). Exact. On TPU, T <= `SELECT_MAX_SLOTS` is T elementwise selects
+    (0 <= start[r] <= N - T), or None for position 0 of every row (a static slice: no per-row
+    offsets, e.g. a prefill). Exact. On TPU, T <= `SELECT_MAX_SLOTS` is T elementwise selects
     (see the comment above `SELECT_MAX_SLOTS`)."""
+    if start is None:
+        return x.at[:, : new.shape[1]].set(new)
     if new.shape[1] > SELECT_MAX_SLOTS:
         return _write_dynamic(x, new, start)
     return jax.lax.platform_dependent(x, new, start, tpu=_write_select, default=_write_dynamic)
@@ -221,7 +224,8 @@ class Attention(nnx.Module):
         [R, S, K, H].
 
         With a cache, the new keys/values of row r are written at slots
-        ``cache_index[r] .. cache_index[r] + T - 1`` before attending, and the mask indexes slots.
+        ``cache_index[r] .. cache_index[r] + T - 1`` (from slot 0 in every row where
+        ``cache_index`` is None) before attending, and the mask indexes slots.
         Returns (output [R, T, D], updated cache or None).
         """
         r, t, _ = x.shape
@@ -312,7 +316,8 @@ class Qwen2(nnx.Module):
           mask: bool, broadcastable to [R, T, S]; True where query t may attend to key s. Without a
             cache S = T (keys are the inputs); with one, S is the number of cache slots.
           cache: optional KV cache from `init_cache`; new keys/values are written before attending.
-          cache_index: int32 [R], first slot written for each row (required with a cache).
+          cache_index: int32 [R], first slot written for each row; None writes every row from
+            slot 0 (a prefill: no per-row offsets).
 
         Returns:
           (hidden states [R, T, D] after the final norm, in ``dtype``; updated cache or None).

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def compile_rows(topology: str) -> list[dict]:
-    """The script's JSON rows for the tiny model, R = 12, S = 64, T = 1 and 7 (AR, MARS B = 4)."""
+def compile_rows(topology: str, *extra: str) -> list[dict]:
+    """The script's JSON rows for the tiny model, R = 12, S = 64, T = 1 and 7 (AR, MARS B = 4);
+    ``extra`` flags replace the defaults."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -36,7 +37,8 @@ def compile_rows(topology: str) -> list[dict]:
     out = subprocess.run(
         [sys.executable, "benchmarks/decode_hlo.py", "--config=configs/tiny.py",
          f"--topology={topology}", f"--rows={ROWS}", "--slots=64", "--windows=1,7",
-         "--writes=model,vmap_dus", "--reads=model,vmap_ds", "--cpu_repeats=0", "--json"],
+         "--writes=model,vmap_dus", "--reads=model,vmap_ds", "--cpu_repeats=0", "--json",
+         *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -83,3 +85,20 @@ def test_rows_stay_local_on_v5e_2x2():
     (old,) = by(rows, kind="forward", scheme="vmap_dus", window=7)
     assert old["row_loops"] == 2
     assert sorted(lp["bound"] for lp in old["loops"]) == sorted([LAYERS, ROWS // 4, ROWS // 4])
+
+
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v5e:2x2"])
+def test_whole_decoders_have_no_row_loop(topology):
+    """Every decoder, lowered whole (prefill, step loop, output): its loops are the step loop
+    and the layer scans (inside the step and in the prefill), never one over rows."""
+    names = ["ar", "sliding", "block", "verify", "none"]
+    rows = by(compile_rows(topology, "--writes=", "--reads=", "--windows=",
+                           f"--decoders={','.join(names)}"), kind="decoder")
+    assert [r["scheme"] for r in rows] == names
+    for r in rows:
+        assert r["row_loops"] == 0, r
+        assert {lp["source"] for lp in r["loops"]} == {"while"}, r
+        bounds = {lp["bound"] for lp in r["loops"]}
+        assert r["max_forwards"] in bounds and LAYERS in bounds, r
+        if r["devices"] > 1:
+            assert not {"all-to-all", "collective-permute"} & set(r["ops"]), r
