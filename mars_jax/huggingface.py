@@ -3,7 +3,9 @@
 A Hugging Face directory holds ``config.json`` and either ``model.safetensors`` or sharded
 ``*.safetensors`` files listed in ``model.safetensors.index.json`` (the layout written by
 transformers' ``save_pretrained``). Loading is strict: every tensor must be consumed, every
-parameter must be found, and shapes must match. Names follow transformers' Qwen2ForCausalLM;
+parameter must be found, and shapes must match; the one tensor a model does not use that is
+accepted is a tied model's stored ``lm_head.weight`` equal to its embedding (see
+`_check_tied_head`). Names follow transformers' Qwen2ForCausalLM;
 linear weights are stored [out, in] there and [in, out] (``kernel``) here. `load_hf_sharded`
 reads a checkpoint straight into a sharded layout, each process reading only the parts of the
 tensors that its devices hold.
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  numpy's "bfloat16", which safetensors' numpy reader asks for
 import numpy as np
+from absl import logging
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -144,12 +147,23 @@ class _Source:
     stacked: bool
 
 
+_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+# Bytes (as float64) of each tensor that `_check_tied_head` compares per block of rows.
+_COMPARE_CHUNK_BYTES = 64 << 20
+
+
 def _sources(path: str, cfg: ModelConfig, state: nnx.State) -> nnx.State:
     """The `_Source` of every parameter of ``state`` (leaves with .shape), same tree, checked
-    against the safetensors headers alone (no tensor data is read).
+    against the safetensors headers: names and shapes.
+
+    Then, for a tied model (``cfg.tie_word_embeddings``) whose checkpoint also stores
+    ``lm_head.weight`` (some releases do; transformers ignores it), that tensor is compared
+    with the embedding by `_check_tied_head`; this is the only tensor data read here, and it
+    is read only once every header check has passed.
 
     Raises FileNotFoundError as `_checkpoint_files`; ValueError for a missing tensor, a tensor
-    of the wrong shape, or a tensor no parameter uses, naming the tensor (and its file).
+    of the wrong shape, or a tensor no parameter uses, naming the tensor (and its file), and
+    as `_check_tied_head` for a stored head that differs from the tied embedding.
     """
     origin, shapes = {}, {}
     for file in _checkpoint_files(path):
@@ -175,13 +189,74 @@ def _sources(path: str, cfg: ModelConfig, state: nnx.State) -> nnx.State:
         return _Source(files, tuple(names), transposed, stacked)
 
     sources = jax.tree_util.tree_map_with_path(source, state)
-    unused = sorted(set(shapes) - used)
+    tied_head = cfg.tie_word_embeddings and _HEAD in shapes and _EMBEDDING in used
+    if tied_head and shapes[_HEAD] != shapes[_EMBEDDING]:
+        raise ValueError(
+            f"{path}/{origin[_HEAD]}: tensor {_HEAD!r} has shape {shapes[_HEAD]}, but the "
+            f"config ties it to {_EMBEDDING!r} ({origin[_EMBEDDING]}) of shape "
+            f"{shapes[_EMBEDDING]}"
+        )
+    unused = sorted(set(shapes) - used - ({_HEAD} if tied_head else set()))
     if unused:
         raise ValueError(
             f"{path}: tensors not used by the model (config mismatch?): "
             + ", ".join(f"{n} ({origin[n]})" for n in unused[:10])
         )
+    if tied_head:
+        _check_tied_head(path, origin[_HEAD], origin[_EMBEDDING], shapes[_HEAD])
     return sources
+
+
+def _check_tied_head(path: str, head_file: str, embedding_file: str, shape: tuple) -> None:
+    """Checks that the stored ``lm_head.weight`` of a tied checkpoint equals
+    ``model.embed_tokens.weight`` exactly, and logs that it is skipped.
+
+    Both tensors, of ``shape`` [vocab, hidden] (checked by the caller), are compared as values
+    (float64, so across on-disk dtypes; NaN equals NaN), a block of rows at a time
+    (`_COMPARE_CHUNK_BYTES` per tensor and read), from the files ``head_file`` and
+    ``embedding_file`` of the directory ``path``. The whole of both tensors is read once, by
+    every process, also by `load_hf_sharded`, which otherwise reads only a process's own
+    parts: a check on those parts alone could pass in one process and fail in another (which
+    would then leave the others waiting in a collective), and a shared verdict would need a
+    collective of its own before the model exists. The cost is reading the embedding twice
+    (1 GB per tensor for Qwen2.5-7B in bfloat16), never holding more than a block of each on
+    the host; a differing head is caught before any parameter is read.
+
+    Raises ValueError naming both tensors and files, the first differing row and the largest
+    absolute difference, when any value differs: the checkpoint's head is not tied, and
+    loading it as tied would silently change the model (set ``tie_word_embeddings`` to false
+    in config.json to load the stored head).
+    """
+    rows = max(1, _COMPARE_CHUNK_BYTES // (8 * int(np.prod(shape[1:], dtype=np.int64))))
+    first, largest = None, 0.0
+    with (
+        safe_open(os.path.join(path, head_file), framework="np") as fh,
+        safe_open(os.path.join(path, embedding_file), framework="np") as fe,
+    ):
+        head, embedding = fh.get_slice(_HEAD), fe.get_slice(_EMBEDDING)
+        for start in range(0, shape[0], rows):
+            index = (slice(start, min(start + rows, shape[0])),) + (slice(None),) * (
+                len(shape) - 1
+            )
+            a = np.asarray(head[index], np.float64)
+            b = np.asarray(embedding[index], np.float64)
+            differ = ~((a == b) | (np.isnan(a) & np.isnan(b)))
+            if differ.any():
+                diff = np.abs(a - b)[differ]  # NaN against a number: infinitely different
+                largest = max(largest, float(np.where(np.isnan(diff), np.inf, diff).max()))
+                if first is None:
+                    first = start + int(np.argwhere(differ)[0][0])
+    if first is not None:
+        raise ValueError(
+            f"{path}: config.json ties the LM head to the embedding (tie_word_embeddings: "
+            f"true), but the stored {_HEAD!r} ({head_file}) differs from {_EMBEDDING!r} "
+            f"({embedding_file}): first at row {first}, largest absolute difference {largest:g}; "
+            "set tie_word_embeddings to false in config.json to load the stored head"
+        )
+    logging.info(
+        "%s: %r (%s) equals the tied %r (%s); it is not loaded (tie_word_embeddings: true)",
+        path, _HEAD, head_file, _EMBEDDING, embedding_file,
+    )
 
 
 def _read(source: _Source, index: tuple[slice, ...], dtype) -> np.ndarray:
@@ -211,7 +286,9 @@ def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
     `load_hf_sharded` to read only what each device holds. Raises ValueError for an unused
     tensor (e.g. a dropped q/k/v bias would leave one), a missing parameter (e.g. an untied
     model without ``lm_head``), or a shape mismatch, naming the tensor and its file; all are
-    checked from the file headers before any tensor is read.
+    checked from the file headers before any tensor is read. A tied model's checkpoint may
+    also store ``lm_head.weight`` if it equals the embedding exactly (it is then skipped, and
+    the log says so); a differing one raises ValueError naming both tensors (`_sources`).
     """
     state = nnx.state(abstract_model(cfg), nnx.Param)
     sources = _sources(path, cfg, state)
@@ -230,7 +307,10 @@ def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.Sta
     along a data axis, share the read), so a process never holds the whole model on the host.
 
     Raises FileNotFoundError without safetensors files, and ValueError, as `load_hf_state`,
-    for a missing, unused or wrongly shaped tensor, before any tensor data is read.
+    for a missing, unused or wrongly shaped tensor, before any tensor data is read. A tied
+    model's stored ``lm_head.weight`` is compared with the embedding as in `load_hf_state`;
+    that comparison reads both whole tensors on every process, a block of rows at a time,
+    before any parameter is read (`_check_tied_head` says why).
     """
     sources = _sources(path, cfg, abstract)
 

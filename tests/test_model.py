@@ -185,6 +185,115 @@ def test_unused_tensor_is_an_error(tied_ckpt, tmp_path):
         huggingface.load_hf(str(path))
 
 
+def with_stored_head(src, dst, head_fn, *, shards=1):
+    """A copy of the tied checkpoint ``src`` that also stores ``lm_head.weight`` =
+    ``head_fn(embedding)`` (save_pretrained drops tied tensors; some releases keep them).
+    ``shards=2`` writes two files plus model.safetensors.index.json, the embedding in the
+    first and the head in the second."""
+    dst.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), dst / "config.json")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors["lm_head.weight"] = np.ascontiguousarray(head_fn(tensors["model.embed_tokens.weight"]))
+    if shards == 1:
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        return dst
+    names = sorted(tensors)
+    second = {"lm_head.weight", *names[: len(names) // 2]} - {"model.embed_tokens.weight"}
+    files = {n: f"model-0000{1 + (n in second)}-of-00002.safetensors" for n in names}
+    for fname in sorted(set(files.values())):
+        part = {n: tensors[n] for n in names if files[n] == fname}
+        save_file(part, str(dst / fname), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": files}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def load_sharded_on_one_device(path):
+    """`huggingface.load_hf_sharded` of ``path`` on a mesh of this process's devices."""
+    from mars_jax import sharding
+
+    cfg = huggingface.read_hf_config(str(path))
+    _, abstract = sharding.abstract_params(cfg, sharding.make_mesh(), sharding.logical_rules())
+    return huggingface.load_hf_sharded(str(path), cfg, abstract)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_tied_checkpoint_with_an_equal_stored_head_loads(tied_ckpt, tmp_path, caplog, shards):
+    path, hf = tied_ckpt
+    ckpt = with_stored_head(path, tmp_path / "head", lambda e: e.copy(), shards=shards)
+    assert (ckpt / "model.safetensors.index.json").exists() == (shards == 2)
+    # transformers loads it (the stored head is the tied embedding) ...
+    ids, valid = right_padded_batch(TINY["vocab_size"], [12, 9], 12, seed=4)
+    ref = hf_logits(hf, ids, attention_mask=valid.astype(np.int64))
+    theirs = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype="float32").eval()
+    np.testing.assert_allclose(
+        hf_logits(theirs, ids, attention_mask=valid.astype(np.int64))[valid], ref[valid],
+        rtol=0, atol=1e-5,
+    )
+    # ... and so does every loader of ours, to the parameters of the checkpoint without it.
+    caplog.set_level("INFO", logger="absl")
+    model = huggingface.load_hf(str(ckpt))
+    assert "'lm_head.weight'" in caplog.text and "equals the tied" in caplog.text
+    assert model.cfg.tie_word_embeddings
+    np.testing.assert_allclose(our_logits(model, ids, valid)[valid], ref[valid], rtol=0, atol=1e-4)
+    plain = jax.tree.leaves(nnx.state(huggingface.load_hf(str(path)), nnx.Param))
+    state = huggingface.load_hf_state(str(ckpt), model.cfg)
+    sharded = load_sharded_on_one_device(ckpt)
+    for loaded in (nnx.state(model, nnx.Param), state, sharded):
+        leaves = jax.tree.leaves(loaded)
+        assert len(leaves) == len(plain)
+        for a, b in zip(leaves, plain):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _change_one(embedding, row, delta=0.5):
+    head = embedding.copy()
+    head[row, 3] += delta
+    return head
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_tied_checkpoint_with_a_different_stored_head_is_an_error(tied_ckpt, tmp_path, shards):
+    path, _ = tied_ckpt
+    ckpt = with_stored_head(path, tmp_path / "head", lambda e: _change_one(e, 90), shards=shards)
+    head_file = "model.safetensors" if shards == 1 else "model-00002-of-00002.safetensors"
+    emb_file = "model.safetensors" if shards == 1 else "model-00001-of-00002.safetensors"
+    cfg = huggingface.read_hf_config(str(ckpt))
+    for load in (
+        lambda: huggingface.load_hf(str(ckpt)),
+        lambda: huggingface.load_hf_state(str(ckpt), cfg),
+        lambda: load_sharded_on_one_device(ckpt),
+    ):
+        with pytest.raises(ValueError) as err:
+            load()
+        message = str(err.value)
+        assert f"'lm_head.weight' ({head_file}) differs from 'model.embed_tokens.weight' " \
+               f"({emb_file})" in message, message
+        assert "row 90" in message and "largest absolute difference 0.5" in message, message
+
+
+def test_stored_head_is_compared_block_by_block(tied_ckpt, tmp_path, monkeypatch):
+    # Blocks of 8 rows (of 32 float64 values): differences are found in any block, and the
+    # largest difference is the largest over all blocks.
+    monkeypatch.setattr(huggingface, "_COMPARE_CHUNK_BYTES", 8 * 32 * 8)
+    path, _ = tied_ckpt
+    equal = with_stored_head(path, tmp_path / "equal", lambda e: e.copy())
+    huggingface.load_hf(str(equal))
+    twice = lambda e: _change_one(_change_one(e, 95, delta=-2.0), 41, delta=0.25)
+    differ = with_stored_head(path, tmp_path / "differ", twice)
+    with pytest.raises(ValueError, match=r"row 41, largest absolute difference 2\b"):
+        huggingface.load_hf(str(differ))
+
+
+def test_tied_checkpoint_with_a_wrongly_shaped_stored_head_is_an_error(tied_ckpt, tmp_path):
+    path, _ = tied_ckpt
+    ckpt = with_stored_head(path, tmp_path / "head", lambda e: e[:, :16])
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' has shape \(96, 16\), but the "
+                                         r"config ties it to 'model\.embed_tokens\.weight'"):
+        huggingface.load_hf(str(ckpt))
+
+
 def test_untied_config_without_lm_head_is_an_error(tied_ckpt, tmp_path):
     # A tied checkpoint whose config.json claims separate embeddings: lm_head.weight is missing.
     path = copy_ckpt(tied_ckpt[0], tmp_path / "untied_cfg")
