@@ -28,7 +28,9 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from mars_jax.decode import DEFAULT_EOS_IDS
 from mars_jax.model import ModelConfig, Qwen2, abstract_model
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 _SUPPORTED_ACT = "silu"
 
@@ -78,8 +80,18 @@ def config_from_hf(
     )
 
 
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The transformers ``Qwen2Config`` dict (config.json) describing ``cfg``."""
+def config_to_hf(
+    cfg: ModelConfig, *, mask_token_id: int | None = None, block_size: int | None = None
+) -> dict[str, Any]:
+    """The transformers ``Qwen2Config`` dict (config.json) describing ``cfg``.
+
+    Where the embedding has Qwen2.5's special-token rows it carries their ``bos_token_id``
+    (<|endoftext|>) and ``eos_token_id`` (<|im_end|>), as Qwen2.5's own config.json does (the
+    generation stop ids are in `generation_config_to_hf`). ``mask_token_id`` (MARS's
+    <|mask|>) and ``block_size`` (written ``mars_block_size``: the most tokens per forward the
+    model was trained to decode) are added when given; transformers keeps such keys as plain
+    config attributes, and `config_from_hf` reads only the keys it needs.
+    """
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -98,7 +110,35 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": 32768,
         "torch_dtype": cfg.param_dtype,
         # Qwen2.5's <|endoftext|> and <|im_end|>, where the embedding has those rows.
-        **({"bos_token_id": 151643, "eos_token_id": 151645} if cfg.vocab_size > 151645 else {}),
+        **(
+            {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": IM_END_ID}
+            if _has_qwen_special_rows(cfg)
+            else {}
+        ),
+        **({} if mask_token_id is None else {"mask_token_id": int(mask_token_id)}),
+        **({} if block_size is None else {"mars_block_size": int(block_size)}),
+    }
+
+
+def _has_qwen_special_rows(cfg: ModelConfig) -> bool:
+    """Whether the embedding has rows for Qwen2.5's <|endoftext|> and <|im_end|>."""
+    return cfg.vocab_size > max(ENDOFTEXT_ID, *DEFAULT_EOS_IDS)
+
+
+def generation_config_to_hf(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The ``generation_config.json`` dict with which transformers' ``generate`` (and any tool
+    that reads the file for its defaults) decodes as `mars_jax.decode.generate` does at
+    threshold 1.0: greedy (``do_sample: false``), stopping at either of
+    `mars_jax.decode.DEFAULT_EOS_IDS` (<|im_end|> 151645, <|endoftext|> 151643), padding with
+    <|endoftext|>. None for an embedding without those rows (no Qwen2.5 vocabulary).
+    """
+    if not _has_qwen_special_rows(cfg):
+        return None
+    return {
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": [int(i) for i in DEFAULT_EOS_IDS],
+        "pad_token_id": ENDOFTEXT_ID,
+        "do_sample": False,
     }
 
 
@@ -350,16 +390,40 @@ def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32") 
 
 
 def export_hf(
-    model: Qwen2, path: str, *, max_shard_bytes: int = 4 << 30, dtype: str | None = None
+    model: Qwen2,
+    path: str,
+    *,
+    max_shard_bytes: int = 4 << 30,
+    dtype: str | None = None,
+    mask_token_id: int | None = None,
+    block_size: int | None = None,
 ) -> None:
     """Writes ``model`` as a directory that ``transformers.AutoModelForCausalLM`` loads.
 
-    Writes config.json and model.safetensors, or several shards plus
+    Writes config.json (`config_to_hf`) and model.safetensors, or several shards plus
     model.safetensors.index.json when the weights exceed ``max_shard_bytes``. A tied model
     writes no lm_head. ``dtype`` (e.g. "bfloat16") casts the saved weights; default: param dtype.
+    A model with Qwen2.5's vocabulary also gets generation_config.json
+    (`generation_config_to_hf`: greedy, both stop ids), so that transformers' ``generate``
+    stops where `mars_jax.decode.generate` does, and config.json records ``mask_token_id``
+    (default: <|mask|>'s 151665 where the embedding has that row); ``block_size`` (the
+    training block size, e.g. `mars_jax.workdir.trained_block_size`) is recorded as
+    ``mars_block_size`` when given. Tokenizer files are not written here (see
+    `mars_jax.export.export_run`).
+
     Raises FileExistsError if ``path`` already holds safetensors weights (stale shards next to
-    new ones would be ambiguous).
+    new ones would be ambiguous); ValueError for a ``mask_token_id`` outside the embedding or
+    a ``block_size`` < 1.
     """
+    if mask_token_id is None and model.cfg.vocab_size > MASK_ID:
+        mask_token_id = MASK_ID
+    if mask_token_id is not None and not 0 <= mask_token_id < model.cfg.vocab_size:
+        raise ValueError(
+            f"mask_token_id {mask_token_id} is not a row of the {model.cfg.vocab_size}-row "
+            "embedding"
+        )
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     os.makedirs(path, exist_ok=True)
     stale = [f for f in os.listdir(path) if f.endswith(".safetensors") or f.endswith(".index.json")]
     if stale:
@@ -401,4 +465,9 @@ def export_hf(
                 indent=2,
             )
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(cfg), f, indent=2)
+        hf_config = config_to_hf(cfg, mask_token_id=mask_token_id, block_size=block_size)
+        json.dump(hf_config, f, indent=2)
+    generation = generation_config_to_hf(cfg)
+    if generation is not None:
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(generation, f, indent=2)

@@ -164,9 +164,10 @@ class Tokenizer:
     def save(self, directory: str) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (str, created
         if missing), laid out like a Qwen2.5 release: the config carries the chat template,
-        ``eos_token``/``pad_token`` and every added token (``<|mask|>`` included) in
-        ``added_tokens_decoder``, so ``transformers.AutoTokenizer.from_pretrained(directory)``
-        loads a tokenizer with the same ids and template."""
+        ``eos_token``/``pad_token``, ``mask_token`` (``<|mask|>``) and every added token
+        (``<|mask|>`` included, flagged special) in ``added_tokens_decoder``, so
+        ``transformers.AutoTokenizer.from_pretrained(directory)`` loads a tokenizer with the
+        same ids and template, whose ``mask_token_id`` is this tokenizer's ``mask_id``."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(out / "tokenizer.json"))
@@ -188,6 +189,7 @@ class Tokenizer:
             "bos_token": None,
             "eos_token": self._tok.id_to_token(self.eos_id),
             "pad_token": self._tok.id_to_token(self.pad_id),
+            "mask_token": self._tok.id_to_token(self.mask_id),
             "unk_token": None,
             "chat_template": self.chat_template,
             "clean_up_tokenization_spaces": False,

@@ -454,8 +454,12 @@ def test_export_cli_loads_in_transformers(hf_run, tmp_path):
     run_cli("mars_jax.export", f"--workdir={workdir}", f"--output={out}")
     # The library call writes the same weights and config.
     assert export.export_run(workdir, str(tmp_path / "in_process")) == 1
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+    files = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+             "tokenizer_config.json")
+    for name in files:
         assert (out / name).read_bytes() == (tmp_path / "in_process" / name).read_bytes(), name
+    config = json.loads((out / "config.json").read_text())
+    assert (config["mask_token_id"], config["mars_block_size"]) == (MASK_ID, 4)  # configs/tiny.py
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     model, tok, _ = wd.load_model(workdir)
     ids = np.random.default_rng(1).integers(0, 151666, size=(2, 10))
@@ -464,7 +468,7 @@ def test_export_cli_loads_in_transformers(hf_run, tmp_path):
     np.testing.assert_allclose(torch_logits(hf, ids), ours, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(torch_logits(hf, ids), torch_logits(original, ids), atol=1e-4)
     hf_tok = AutoTokenizer.from_pretrained(str(out))
-    assert hf_tok.convert_tokens_to_ids("<|mask|>") == MASK_ID
+    assert hf_tok.convert_tokens_to_ids("<|mask|>") == hf_tok.mask_token_id == MASK_ID
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     encoded = hf_tok.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
