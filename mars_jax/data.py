@@ -7,8 +7,10 @@ labelled ``<|im_end|>`` up to a multiple of the block size, so the model learns 
 rest of a block with EOS.
 """
 
+import codecs
 import collections
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -39,39 +41,136 @@ class SkipRow(Exception):
         self.reason = reason
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """Reads the rows of a `.jsonl` (one JSON object per line; blank lines ignored) or `.parquet` file.
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # as Python's universal newlines; "\u2028" etc. are text
+_JSON_SPACE = re.compile(r"[ \t\r\n]*")
+# Byte-order marks and the codec of the text after them; the UTF-32 LE mark begins with the
+# UTF-16 LE one, so it is tried first.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le", "UTF-32 LE"),
+    (codecs.BOM_UTF32_BE, "utf-32-be", "UTF-32 BE"),
+    (codecs.BOM_UTF8, "utf-8", "UTF-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le", "UTF-16 LE"),
+    (codecs.BOM_UTF16_BE, "utf-16-be", "UTF-16 BE"),
+)
+
+
+def _line_and_column(text: str) -> tuple[int, int]:
+    """1-based (line, column) of the character just after `text`."""
+    breaks = list(_LINE_BREAK.finditer(text))
+    return len(breaks) + 1, len(text) - (breaks[-1].end() if breaks else 0) + 1
+
+
+def _decode(path: Path, raw: bytes) -> str:
+    """The text of a JSON or JSONL file: UTF-8, or UTF-8/16/32 after a byte-order mark (dropped).
 
     Raises:
-      ValueError: a JSONL line is not valid JSON or not an object (the message names the file
-        and the 1-based line number), or the extension is neither.
+      ValueError: bytes not valid in the file's encoding, or a NUL byte in a file without a
+        byte-order mark (UTF-16/32 saved without one); the message names the file, line, column
+        and byte offset.
     """
-    path = Path(path)
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    if path.suffix != ".jsonl":
-        raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+    bom, codec, name = next(
+        (entry for entry in _BOMS if raw.startswith(entry[0])), (b"", "utf-8", "UTF-8")
+    )
+    body = raw[len(bom) :]
+    if not bom and (offset := body.find(b"\0")) >= 0:
+        line, column = _line_and_column(body[:offset].decode("utf-8", errors="replace"))
+        raise ValueError(
+            f"{path}:{line}: NUL byte at byte offset {offset} (column {column}); UTF-16 or "
+            "UTF-32 without a byte-order mark? Save the file as UTF-8"
+        )
+    try:
+        return body.decode(codec)
+    except UnicodeDecodeError as e:
+        line, column = _line_and_column(body[: e.start].decode(codec))
+        hint = "; is the file in another encoding, such as cp1252? Save it as UTF-8" * (not bom)
+        raise ValueError(
+            f"{path}:{line}: invalid {name} at byte offset {len(bom) + e.start} (column "
+            f"{column}): {e.reason}{hint}"
+        ) from None
+
+
+def _object(path: Path, line: int, value, hint: str = "") -> dict:
+    """`value` if it is a dict; else a ValueError naming `path`:`line`."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{path}:{line}: expected a JSON object, got {type(value).__name__}{hint}"
+        )
+    return value
+
+
+_ARRAY_HINT = (
+    "; the file looks like one JSON array, not JSON Lines (one object per line): "
+    "name it .json to read it as an array"
+)
+
+
+def _json_lines(path: Path, text: str) -> list[dict]:
+    """One JSON object per line; blank and whitespace-only lines are ignored."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON: {e}") from e
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}"
-                )
-            rows.append(row)
+    for line_no, line in enumerate(_LINE_BREAK.split(text), start=1):
+        line = line.lstrip("\ufeff")  # a byte-order mark inside the file, as `cat a b` leaves it
+        if not line.strip():
+            continue
+        hint = _ARRAY_HINT if not rows and line.lstrip().startswith("[") else ""
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no}: invalid JSON: {e}{hint}") from e
+        rows.append(_object(path, line_no, row, hint))
     return rows
 
 
+def _json_array(path: Path, text: str) -> list[dict]:
+    """A JSON array of objects; an error names the line where the offending element starts."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:  # json counts only "\n" as a line break
+        raise ValueError(f"{path}:{_line_and_column(text[: e.pos])[0]}: invalid JSON: {e}") from e
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):  # find the line of element `index` of the (valid) array
+            decoder, pos = json.JSONDecoder(), text.index("[") + 1
+            for _ in range(index + 1):
+                start = _JSON_SPACE.match(text, pos).end()
+                _, pos = decoder.raw_decode(text, start)
+                pos = _JSON_SPACE.match(text, pos).end() + 1  # past the ","
+            _object(path, _line_and_column(text[:start])[0], row, f" (array element {index})")
+    return rows
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Reads the rows of a `.jsonl`, `.json` or `.parquet` file (the extension in any case).
+
+    A `.jsonl` file holds one JSON object per line; a `.json` file is either a JSON array of
+    objects (when its first non-blank character is "[") or JSON Lines. Text is read as files are
+    saved by editors, spreadsheets and Windows tools: UTF-8, with or without a byte-order mark,
+    or UTF-16/UTF-32 with one; lines end in "\\n", "\\r\\n" or a lone "\\r" (old Mac), the last
+    one may lack it; blank and whitespace-only lines are ignored, and so is a byte-order mark at
+    the start of a line (files joined with `cat`). Invalid bytes are an error, not a skipped row:
+    they mean the file is not in the encoding it is read in, so every row may be affected.
+
+    Raises:
+      ValueError: the message names the file and the 1-based line: a line (or array element) is
+        not valid JSON or not an object; bytes that are not valid UTF-8 (or UTF-16/32 after its
+        byte-order mark), with the byte offset; a NUL byte without a byte-order mark (UTF-16
+        saved without one); a `.jsonl` file that is one JSON array; or the extension is none of
+        the three.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: expected a .jsonl, .json or .parquet file")
+    text = _decode(path, path.read_bytes())
+    if suffix == ".json" and text.lstrip(" \t\r\n").startswith("["):
+        return _json_array(path, text)
+    return _json_lines(path, text)
+
+
 def load_rows(source: str, *, num_rows: int | None = None, seed: int = 0) -> list[dict]:
-    """Rows of `source`: a `.jsonl`/`.parquet` path (its first `num_rows` rows, all if None), or
-    `"synthetic"` for `num_rows` problems of `synthetic.arithmetic_problems(num_rows, seed)`
-    (format `gsm8k`)."""
+    """Rows of `source`: a `.jsonl`, `.json` or `.parquet` path (read by `read_rows`; its first
+    `num_rows` rows, all if None), or `"synthetic"` for `num_rows` problems of
+    `synthetic.arithmetic_problems(num_rows, seed)` (format `gsm8k`)."""
     if source == SYNTHETIC:
         if num_rows is None:
             raise ValueError("the synthetic source needs num_rows")

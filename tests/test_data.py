@@ -223,8 +223,89 @@ def test_read_rows_jsonl_and_parquet(tmp_path):
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     assert data.read_rows(tmp_path / "rows.parquet") == rows
-    with pytest.raises(ValueError, match="jsonl or .parquet"):
+    with pytest.raises(ValueError, match=r"\.jsonl, \.json or \.parquet"):
         data.read_rows(tmp_path / "rows.csv")
+
+
+# Rows whose text has non-ASCII letters, an emoji (a surrogate pair in UTF-16), escaped and raw
+# U+2028 (a line break to str.splitlines, plain text to JSON) and an escaped CRLF.
+SAVED_ROWS = [
+    {"question": "Combien coûte un café ?", "answer": "2 €\n#### 2"},
+    {"question": "数学 🧮 a\u2028b", "answer": "x\r\ny\n#### 3"},
+    {"question": "plain", "answer": "#### 4"},
+]
+SAVED_LINES = [json.dumps(r, ensure_ascii=False) for r in SAVED_ROWS]
+SAVED_LINES[1] = SAVED_LINES[1].replace("\\u2028", "\u2028")  # a raw U+2028 inside a string
+
+
+@pytest.mark.parametrize(
+    "text, encoding",
+    [
+        ("\n".join(SAVED_LINES) + "\n", "utf-8"),
+        ("\r\n".join(SAVED_LINES) + "\r\n", "utf-8"),  # Windows line endings
+        ("\n".join(SAVED_LINES), "utf-8"),  # no newline after the last line
+        ("\n \t\n".join(SAVED_LINES) + "\r\n\n   \n", "utf-8"),  # blank, whitespace-only lines
+        ("\r".join(SAVED_LINES) + "\r", "utf-8"),  # old Mac line endings
+        ("\r\n".join(SAVED_LINES) + "\r\n", "utf-8-sig"),  # Notepad's "UTF-8 with BOM"
+        ("\r\n".join(SAVED_LINES) + "\r\n", "utf-16"),  # Notepad/PowerShell "Unicode": LE + BOM
+        ("\ufeff" + "\n".join(SAVED_LINES), "utf-16-be"),  # "Unicode big endian"
+        ("\ufeff" + "\n".join(SAVED_LINES), "utf-32-le"),
+        (SAVED_LINES[0] + "\n\ufeff" + "\n\ufeff".join(SAVED_LINES[1:]), "utf-8-sig"),  # cat of BOM files
+    ],
+    ids=[
+        "lf", "crlf", "no-final-newline", "blank-lines", "cr", "utf8-bom", "utf16le-bom",
+        "utf16be-bom", "utf32le-bom", "cat-of-bom-files",
+    ],
+)
+def test_read_rows_as_saved_by_editors_and_windows_tools(tmp_path, text, encoding):
+    path = tmp_path / "saved.jsonl"
+    path.write_bytes(text.encode(encoding))
+    assert data.read_rows(path) == SAVED_ROWS
+
+
+def test_read_rows_bad_bytes_name_file_line_and_offset(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    line1 = SAVED_LINES[2].encode() + b"\r\n"
+    line2 = '{"question": "Caf'.encode()
+    path.write_bytes(line1 + line2 + "é?\", \"answer\": \"1\"}\r\n".encode("cp1252"))  # Excel's "ANSI"
+    offset = len(line1) + len(line2)
+    with pytest.raises(ValueError) as e:
+        data.read_rows(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}:2: invalid UTF-8 at byte offset {offset} (column 18)")
+    assert "cp1252" in message and e.value.__cause__ is None  # no UnicodeDecodeError chained
+    path.write_bytes((SAVED_LINES[2] + "\n" + SAVED_LINES[2]).encode("utf-16-le"))  # no BOM
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}:1: NUL byte at byte offset 1 .*UTF-16"):
+        data.read_rows(path)
+    utf16 = ("\ufeff" + SAVED_LINES[2] + "\n" + SAVED_LINES[0]).encode("utf-16-le")
+    path.write_bytes(utf16 + "🧮".encode("utf-16-le")[:2] + b"\n\x00")  # half an emoji
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: invalid UTF-16 LE at byte offset {len(utf16)} "):
+        data.read_rows(path)
+
+
+def test_read_rows_json_array_or_clear_error(tmp_path):
+    pretty = json.dumps(SAVED_ROWS, ensure_ascii=False, indent=2).replace("\n", "\r\n")
+    array = tmp_path / "rows.json"
+    array.write_bytes(pretty.encode("utf-8-sig"))  # as a Windows tool saves a JSON export
+    assert data.read_rows(array) == SAVED_ROWS
+    array.write_text("\n".join(SAVED_LINES))  # many ".json" datasets are JSON Lines
+    assert data.read_rows(array) == SAVED_ROWS
+    upper = tmp_path / "ROWS.JSONL"  # Windows does not care about the extension's case
+    upper.write_text("\n".join(SAVED_LINES))
+    assert data.read_rows(upper) == SAVED_ROWS
+    array.write_text('[\n  {"question": "a", "answer": "b"},\n  ["not", "a", "row"]\n]\n')
+    with pytest.raises(ValueError, match=r"rows\.json:3: expected a JSON object, got list \(array element 1\)"):
+        data.read_rows(array)
+    array.write_text('[\r  {"question": "a", "answer": "b"},\r  {"question": }\r]')
+    with pytest.raises(ValueError, match=r"rows\.json:3: invalid JSON"):
+        data.read_rows(array)
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text(pretty)
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1: invalid JSON: .*one JSON array.*\.json"):
+        data.read_rows(lines)
+    lines.write_text(json.dumps(SAVED_ROWS))
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1: expected a JSON object, got list.*\.json"):
+        data.read_rows(lines)
 
 
 def fake_examples(n, length=BS):
