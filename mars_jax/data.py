@@ -111,7 +111,11 @@ def _json_lines(path: Path, text: str) -> list[dict]:
         line = line.lstrip("\ufeff")  # a byte-order mark inside the file, as `cat a b` leaves it
         if not line.strip():
             continue
-        hint = _ARRAY_HINT if not rows and line.lstrip().startswith("[") else ""
+        hint = ""
+        if not rows and line.lstrip().startswith("["):
+            hint = _ARRAY_HINT
+        elif not rows and path.suffix.lower() == ".json":  # e.g. one pretty-printed object
+            hint = "; a .json file must hold a JSON array of objects, or JSON Lines"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:

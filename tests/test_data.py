@@ -299,6 +299,9 @@ def test_read_rows_json_array_or_clear_error(tmp_path):
     array.write_text('[\r  {"question": "a", "answer": "b"},\r  {"question": }\r]')
     with pytest.raises(ValueError, match=r"rows\.json:3: invalid JSON"):
         data.read_rows(array)
+    array.write_text(json.dumps({"rows": SAVED_ROWS}, indent=2))
+    with pytest.raises(ValueError, match=r"rows\.json:1: invalid JSON: .*JSON array of objects, or JSON Lines"):
+        data.read_rows(array)
     lines = tmp_path / "rows.jsonl"
     lines.write_text(pretty)
     with pytest.raises(ValueError, match=r"rows\.jsonl:1: invalid JSON: .*one JSON array.*\.json"):
