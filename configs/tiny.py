@@ -36,7 +36,7 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
         },
         "data": {
             "source": "synthetic",  # synthetic | gsm8k | messages
-            "train_path": "",  # .jsonl / .parquet (gsm8k, messages)
+            "train_path": "",  # .jsonl / .json / .parquet (gsm8k, messages)
             "eval_path": "",
             "eval_format": "",  # row format of eval_path; "" = that of the training data
             "num_synthetic_train": 4000,

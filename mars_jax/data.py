@@ -7,8 +7,10 @@ labelled ``<|im_end|>`` up to a multiple of the block size, so the model learns 
 rest of a block with EOS.
 """
 
+import codecs
 import collections
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -39,39 +41,140 @@ class SkipRow(Exception):
         self.reason = reason
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """Reads the rows of a `.jsonl` (one JSON object per line; blank lines ignored) or `.parquet` file.
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # as Python's universal newlines; "\u2028" etc. are text
+_JSON_SPACE = re.compile(r"[ \t\r\n]*")
+# Byte-order marks and the codec of the text after them; the UTF-32 LE mark begins with the
+# UTF-16 LE one, so it is tried first.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le", "UTF-32 LE"),
+    (codecs.BOM_UTF32_BE, "utf-32-be", "UTF-32 BE"),
+    (codecs.BOM_UTF8, "utf-8", "UTF-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le", "UTF-16 LE"),
+    (codecs.BOM_UTF16_BE, "utf-16-be", "UTF-16 BE"),
+)
+
+
+def _line_and_column(text: str) -> tuple[int, int]:
+    """1-based (line, column) of the character just after `text`."""
+    breaks = list(_LINE_BREAK.finditer(text))
+    return len(breaks) + 1, len(text) - (breaks[-1].end() if breaks else 0) + 1
+
+
+def _decode(path: Path, raw: bytes) -> str:
+    """The text of a JSON or JSONL file: UTF-8, or UTF-8/16/32 after a byte-order mark (dropped).
 
     Raises:
-      ValueError: a JSONL line is not valid JSON or not an object (the message names the file
-        and the 1-based line number), or the extension is neither.
+      ValueError: bytes not valid in the file's encoding, or a NUL byte in a file without a
+        byte-order mark (UTF-16/32 saved without one); the message names the file, line, column
+        and byte offset.
     """
-    path = Path(path)
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    if path.suffix != ".jsonl":
-        raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+    bom, codec, name = next(
+        (entry for entry in _BOMS if raw.startswith(entry[0])), (b"", "utf-8", "UTF-8")
+    )
+    body = raw[len(bom) :]
+    if not bom and (offset := body.find(b"\0")) >= 0:
+        line, column = _line_and_column(body[:offset].decode("utf-8", errors="replace"))
+        raise ValueError(
+            f"{path}:{line}: NUL byte at byte offset {offset} (column {column}); UTF-16 or "
+            "UTF-32 without a byte-order mark? Save the file as UTF-8"
+        )
+    try:
+        return body.decode(codec)
+    except UnicodeDecodeError as e:
+        line, column = _line_and_column(body[: e.start].decode(codec))
+        hint = "; is the file in another encoding, such as cp1252? Save it as UTF-8" * (not bom)
+        raise ValueError(
+            f"{path}:{line}: invalid {name} at byte offset {len(bom) + e.start} (column "
+            f"{column}): {e.reason}{hint}"
+        ) from None
+
+
+def _object(path: Path, line: int, value, hint: str = "") -> dict:
+    """`value` if it is a dict; else a ValueError naming `path`:`line`."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{path}:{line}: expected a JSON object, got {type(value).__name__}{hint}"
+        )
+    return value
+
+
+_ARRAY_HINT = (
+    "; the file looks like one JSON array, not JSON Lines (one object per line): "
+    "name it .json to read it as an array"
+)
+
+
+def _json_lines(path: Path, text: str) -> list[dict]:
+    """One JSON object per line; blank and whitespace-only lines are ignored."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON: {e}") from e
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}"
-                )
-            rows.append(row)
+    for line_no, line in enumerate(_LINE_BREAK.split(text), start=1):
+        line = line.lstrip("\ufeff")  # a byte-order mark inside the file, as `cat a b` leaves it
+        if not line.strip():
+            continue
+        hint = ""
+        if not rows and line.lstrip().startswith("["):
+            hint = _ARRAY_HINT
+        elif not rows and path.suffix.lower() == ".json":  # e.g. one pretty-printed object
+            hint = "; a .json file must hold a JSON array of objects, or JSON Lines"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no}: invalid JSON: {e}{hint}") from e
+        rows.append(_object(path, line_no, row, hint))
     return rows
 
 
+def _json_array(path: Path, text: str) -> list[dict]:
+    """A JSON array of objects; an error names the line where the offending element starts."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:  # json counts only "\n" as a line break
+        raise ValueError(f"{path}:{_line_and_column(text[: e.pos])[0]}: invalid JSON: {e}") from e
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):  # find the line of element `index` of the (valid) array
+            decoder, pos = json.JSONDecoder(), text.index("[") + 1
+            for _ in range(index + 1):
+                start = _JSON_SPACE.match(text, pos).end()
+                _, pos = decoder.raw_decode(text, start)
+                pos = _JSON_SPACE.match(text, pos).end() + 1  # past the ","
+            _object(path, _line_and_column(text[:start])[0], row, f" (array element {index})")
+    return rows
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Reads the rows of a `.jsonl`, `.json` or `.parquet` file (the extension in any case).
+
+    A `.jsonl` file holds one JSON object per line; a `.json` file is either a JSON array of
+    objects (when its first non-blank character is "[") or JSON Lines. Text is read as files are
+    saved by editors, spreadsheets and Windows tools: UTF-8, with or without a byte-order mark,
+    or UTF-16/UTF-32 with one; lines end in "\\n", "\\r\\n" or a lone "\\r" (old Mac), the last
+    one may lack it; blank and whitespace-only lines are ignored, and so is a byte-order mark at
+    the start of a line (files joined with `cat`). Invalid bytes are an error, not a skipped row:
+    they mean the file is not in the encoding it is read in, so every row may be affected.
+
+    Raises:
+      ValueError: the message names the file and the 1-based line: a line (or array element) is
+        not valid JSON or not an object; bytes that are not valid UTF-8 (or UTF-16/32 after its
+        byte-order mark), with the byte offset; a NUL byte without a byte-order mark (UTF-16
+        saved without one); a `.jsonl` file that is one JSON array; or the extension is none of
+        the three.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: expected a .jsonl, .json or .parquet file")
+    text = _decode(path, path.read_bytes())
+    if suffix == ".json" and text.lstrip(" \t\r\n").startswith("["):
+        return _json_array(path, text)
+    return _json_lines(path, text)
+
+
 def load_rows(source: str, *, num_rows: int | None = None, seed: int = 0) -> list[dict]:
-    """Rows of `source`: a `.jsonl`/`.parquet` path (its first `num_rows` rows, all if None), or
-    `"synthetic"` for `num_rows` problems of `synthetic.arithmetic_problems(num_rows, seed)`
-    (format `gsm8k`)."""
+    """Rows of `source`: a `.jsonl`, `.json` or `.parquet` path (read by `read_rows`; its first
+    `num_rows` rows, all if None), or `"synthetic"` for `num_rows` problems of
+    `synthetic.arithmetic_problems(num_rows, seed)` (format `gsm8k`)."""
     if source == SYNTHETIC:
         if num_rows is None:
             raise ValueError("the synthetic source needs num_rows")
@@ -80,7 +183,8 @@ def load_rows(source: str, *, num_rows: int | None = None, seed: int = 0) -> lis
 
 
 def rows_to_messages(row: dict, fmt: str) -> list[dict]:
-    """Maps a row to a list of `{"role", "content"}` messages.
+    """Maps a row to a list of messages (`{"role", "content"}` dicts, see `tokenize_chat` for the
+    tool-use fields that pass through to the chat template).
 
     `fmt="messages"`: the row's `messages` list as is. `fmt="gsm8k"`: `{question, answer}` ->
     a user turn with the question and an assistant turn with the answer.
@@ -103,40 +207,169 @@ def rows_to_messages(row: dict, fmt: str) -> list[dict]:
     raise ValueError(f"unknown row format {fmt!r}; expected 'messages' or 'gsm8k'")
 
 
-def _checked_messages(messages: list) -> tuple[list[dict], int]:
-    """Validates messages; returns them as plain `{role, content}` dicts and the index of the
-    final assistant turn. Raises SkipRow with the reason of the first problem found."""
-    clean = []
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise SkipRow("missing_field")
-        if m["content"] is None:
+def row_tools(row: dict, fmt: str):
+    """The row's `tools` (the functions its conversation may call, for the chat template's `tools`)
+    with `fmt="messages"`, as stored (checked by `tokenize_chat`); None when absent or for gsm8k."""
+    return row.get("tools") if fmt == "messages" else None
+
+
+def _json_text(value, reason: str) -> str:
+    """`value` as the JSON text a template's `tojson` writes; SkipRow(reason) if it is no JSON
+    value (NaN, bytes, a set, ...)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        raise SkipRow(reason) from None
+
+
+def _check_no_special_strings(text: str) -> None:
+    if any(t in text for t in _SPECIAL_STRINGS):
+        raise SkipRow("special_token_in_content")
+
+
+def _without_none(d: dict) -> dict:
+    """`d` less its None values (absent fields, as OpenAI's API and parquet schemas write them)."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _checked_tool_call(call) -> dict:
+    """A copy of one entry of an assistant message's `tool_calls`: OpenAI's `{"type": "function",
+    "function": {"name": str, "arguments": ...}}` (an `id` str optional) or the bare
+    `{"name", "arguments"}`, with None fields dropped and `arguments` given as a JSON object or as
+    a string holding one (OpenAI's wire format) turned into that object (a dict), as the serving
+    stacks hand it to a chat template; a template renders a string as a JSON string literal."""
+    if not isinstance(call, dict):
+        raise SkipRow("bad_tool_calls")
+    call = _without_none(call)
+    function = call.get("function", call)
+    if (
+        call.get("type", "function") != "function"
+        or not isinstance(call.get("id", ""), str)
+        or not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+        or not function["name"]
+    ):
+        raise SkipRow("bad_tool_calls")
+    function = _without_none(function)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise SkipRow("bad_tool_arguments") from None
+    if not isinstance(arguments, dict):
+        raise SkipRow("bad_tool_arguments")
+    _json_text(arguments, "bad_tool_arguments")
+    function["arguments"] = arguments
+    return {**call, "function": function} if "function" in call else function
+
+
+def _checked_tools(tools) -> list[dict] | None:
+    """The row-level `tools`: a list of JSON objects (or a string holding one), None if absent or
+    empty. Raises SkipRow("bad_tools") or SkipRow("special_token_in_content")."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise SkipRow("bad_tools") from None
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise SkipRow("bad_tools")
+    _check_no_special_strings(_json_text(tools, "bad_tools"))
+    return tools
+
+
+def _checked_message(m) -> dict:
+    """A copy of one message with role, content and the tool-use fields that are set (see
+    `tokenize_chat`); an assistant message with tool calls may lack content (None -> "")."""
+    if not isinstance(m, dict) or "role" not in m:
+        raise SkipRow("missing_field")
+    calls = m.get("tool_calls") or None  # [] and None: no calls
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise SkipRow("bad_tool_calls")
+        calls = [_checked_tool_call(c) for c in calls]
+        _check_no_special_strings(_json_text(calls, "bad_tool_calls"))
+    if "content" not in m and calls is None:
+        raise SkipRow("missing_field")
+    content = m.get("content")
+    if content is None:
+        if calls is None:
             raise SkipRow("none_content")
-        if not isinstance(m["content"], str) or not isinstance(m["role"], str):
-            raise SkipRow("non_string_content")
-        if any(t in m["content"] for t in _SPECIAL_STRINGS):
-            raise SkipRow("special_token_in_content")
-        clean.append({"role": m["role"], "content": m["content"]})
+        content = ""
+    texts = {"content": content, **_without_none({f: m.get(f) for f in ("name", "tool_call_id")})}
+    if not isinstance(m["role"], str) or not all(isinstance(t, str) for t in texts.values()):
+        raise SkipRow("non_string_content")
+    for text in texts.values():
+        _check_no_special_strings(text)
+    return {"role": m["role"], **texts, **({"tool_calls": calls} if calls else {})}
+
+
+def _checked_messages(messages: list) -> tuple[list[dict], int]:
+    """Validates messages; returns copies of them (see `_checked_message`) and the index of the
+    final assistant turn. Raises SkipRow with the reason of the first problem found."""
+    clean = [_checked_message(m) for m in messages]
+    unanswered = []  # ids (None: no id) of the calls that the following tool messages answer
+    for m in clean:
+        if m["role"] != "tool":
+            unanswered = [call.get("id") for call in m.get("tool_calls", [])]
+            continue
+        if not unanswered:  # no call before it, or more answers than calls
+            raise SkipRow("orphan_tool_message")
+        answers = m.get("tool_call_id")
+        if answers is not None and any(unanswered):
+            if answers not in unanswered:
+                raise SkipRow("orphan_tool_message")
+            unanswered.remove(answers)
+        else:
+            unanswered.pop(0)
     turns = [i for i, m in enumerate(clean) if m["role"] == "assistant"]
     if not turns:
         raise SkipRow("no_assistant_turn")
-    if not clean[turns[-1]]["content"].strip():
+    if not clean[turns[-1]]["content"].strip() and "tool_calls" not in clean[turns[-1]]:
         raise SkipRow("empty_answer")
     return clean, turns[-1]
 
 
-def _chat_segments(tokenizer, messages: list, all_assistant_turns: bool) -> list[tuple[str, bool]]:
+def _check_tool_use_rendered(tokenizer, messages: list[dict], tools, full: str) -> None:
+    """SkipRow("tools_not_rendered") when the chat template renders `messages` (and `tools`) as
+    `full` also without the tools, without one message's tool calls, or without one tool message:
+    a template without tool support, which would train on a silently changed conversation."""
+    probes = [(messages, None)] if tools else []
+    for i, m in enumerate(messages):
+        if "tool_calls" in m:
+            without = {k: v for k, v in m.items() if k != "tool_calls"}
+            probes.append((messages[:i] + [without] + messages[i + 1 :], tools))
+        elif m["role"] == "tool":
+            probes.append((messages[:i] + messages[i + 1 :], tools))
+    for probe_messages, probe_tools in probes:
+        try:
+            same = tokenizer.render_chat(probe_messages, tools=probe_tools) == full
+        except jinja2.TemplateError:  # the template reads what the probe took away
+            same = False
+        if same:
+            raise SkipRow("tools_not_rendered")
+
+
+def _chat_segments(
+    tokenizer, messages: list, all_assistant_turns: bool, tools=None
+) -> list[tuple[str, bool]]:
     """Splits the rendered conversation into `(text, labelled)` pieces that end at the final
     assistant turn's `<|im_end|>`. An assistant turn at message k is located by rendering
     `messages[:k]` with the generation prompt, which must be a prefix of the full rendering; its
-    labelled piece runs from there through the next `<|im_end|>`."""
+    labelled piece runs from there through the next `<|im_end|>`, and must hold more than
+    whitespace (else SkipRow("empty_answer"))."""
     messages, last = _checked_messages(messages)
-    full = tokenizer.render_chat(messages[: last + 1])
+    tools = _checked_tools(tools)
+    messages = messages[: last + 1]
+    full = tokenizer.render_chat(messages, tools=tools)
+    _check_tool_use_rendered(tokenizer, messages, tools, full)
     eos = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
-    turns = [k for k, m in enumerate(messages[: last + 1]) if m["role"] == "assistant"]
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     segments, pos = [], 0
     for k in turns if all_assistant_turns else [last]:
-        prompt = tokenizer.render_chat(messages[:k], add_generation_prompt=True)
+        prompt = tokenizer.render_chat(messages[:k], add_generation_prompt=True, tools=tools)
         start = len(prompt)
         end = full.find(eos, start)
         if start < pos or not full.startswith(prompt) or end < 0:
@@ -144,6 +377,8 @@ def _chat_segments(tokenizer, messages: list, all_assistant_turns: bool) -> list
                 f"chat template renders assistant turn {k} in an unsupported way: "
                 "the generation prompt is not a prefix of the rendered conversation"
             )
+        if not full[start:end].strip():  # e.g. an empty earlier turn with all_assistant_turns
+            raise SkipRow("empty_answer")
         segments += [(full[pos:start], False), (full[start : end + len(eos)], True)]
         pos = end + len(eos)
     return segments
@@ -188,29 +423,49 @@ def tokenize_chat(
     max_length: int,
     block_size: int,
     all_assistant_turns: bool = False,
+    tools=None,
 ) -> Example:
     """Tokenizes one conversation for MARS SFT, as the MARS reference's SFT data path does.
 
     The prompt before the final assistant turn is tokenized exactly as
-    `tokenizer.encode(tokenizer.render_chat(messages[:k], add_generation_prompt=True))`, so training
-    sees the prompt tokens decoding sees. Labels equal `input_ids` (unshifted) on the final
-    assistant turn's content and its closing `<|im_end|>` (every assistant turn's with
-    `all_assistant_turns`) and are IGNORE_INDEX elsewhere. The sequence ends at the final labelled
-    `<|im_end|>`; rows longer than `max_length` are cut to it, keeping surviving labels; then
-    labelled `<|im_end|>` pads it to a multiple of `block_size`. A BOS is prepended only if the
-    first token would be labelled.
+    `tokenizer.encode(tokenizer.render_chat(messages[:k], add_generation_prompt=True, tools))`, so
+    training sees the prompt tokens decoding sees. Labels equal `input_ids` (unshifted) on what
+    the template renders for the final assistant turn after its generation prompt, through its
+    closing `<|im_end|>` (every assistant turn's with `all_assistant_turns`), and are
+    IGNORE_INDEX elsewhere. The sequence ends at the final labelled `<|im_end|>`; rows longer
+    than `max_length` are cut to it, keeping surviving labels; then labelled `<|im_end|>` pads it
+    to a multiple of `block_size`. A BOS is prepended only if the first token would be labelled.
+
+    Tool use (OpenAI's chat format) reaches the template as `transformers`'
+    `apply_chat_template(messages, tools=tools)` passes it: a message's `tool_calls` (on
+    assistant messages: a list of `{"type": "function", "function": {"name": str, "arguments":
+    dict}}`, `"id"` optional; `arguments` may also be a string holding a JSON object, which is
+    parsed, as serving stacks do), `name` and `tool_call_id` (str); None values count as absent,
+    other message fields are dropped; `tools` is the row's list of function schemas (or a string
+    holding one). An assistant turn with tool calls may have empty or None content; trained, it is
+    labelled with the template's rendering of its calls (e.g. Qwen2.5's `<tool_call>` blocks).
 
     Returns:
       (input_ids, labels), both int32[n] with n a multiple of block_size, n <= max_length.
     Raises:
       ValueError: max_length is not a positive multiple of block_size, or the chat template does
         not render assistant turns after their generation prompt.
-      SkipRow: prompt_too_long, missing_field, none_content, non_string_content,
-        special_token_in_content (a control-token string such as "<|im_end|>" or "<|mask|>" in
-        a content), no_assistant_turn or empty_answer.
+      SkipRow: with its reason:
+        prompt_too_long; missing_field; none_content; non_string_content (a role, content, name
+        or tool_call_id that is not a str); special_token_in_content (a control-token string
+        such as "<|im_end|>" or "<|mask|>" in a content, a tool call or the tools);
+        no_assistant_turn; empty_answer (the final assistant turn has neither content nor tool
+        calls, or a trained turn renders as whitespace only); bad_tool_calls (`tool_calls` not a
+        list of function calls, or on a message that is not the assistant's); bad_tool_arguments
+        (arguments neither a JSON object nor a string holding one, or not JSON-serialisable);
+        bad_tools (`tools` not a list of JSON objects); orphan_tool_message (a `tool` message
+        that does not directly follow an assistant's calls, answers more calls than were made,
+        or names a `tool_call_id` none of them has); tools_not_rendered (the template renders the
+        row the same without its tools, some message's tool calls or some tool message: it has
+        no tool support, e.g. the built-in Qwen2.5 template or the Qwen2 release's).
     """
     _check_lengths(max_length, block_size)
-    texts, labelled = zip(*_chat_segments(tokenizer, messages, all_assistant_turns))
+    texts, labelled = zip(*_chat_segments(tokenizer, messages, all_assistant_turns, tools))
     return _assemble(
         tokenizer.encode_batch(list(texts)),
         list(labelled),
@@ -232,7 +487,8 @@ def build_examples(
     max_label_tokens: int | None = None,
     source_name: str = "",
 ) -> tuple[list[Example], collections.Counter]:
-    """Tokenizes rows (see `rows_to_messages` and `tokenize_chat`) with one batched encode.
+    """Tokenizes rows (see `rows_to_messages`, `row_tools` and `tokenize_chat`) with one batched
+    encode.
 
     Skipped rows are counted by reason (those of `tokenize_chat`, plus template_error: the chat
     template raised while rendering the row) and logged with `source_name`.
@@ -250,9 +506,8 @@ def build_examples(
     kept = []  # (row index, segments)
     for index, row in enumerate(rows):
         try:
-            kept.append(
-                (index, _chat_segments(tokenizer, rows_to_messages(row, fmt), all_assistant_turns))
-            )
+            messages, tools = rows_to_messages(row, fmt), row_tools(row, fmt)
+            kept.append((index, _chat_segments(tokenizer, messages, all_assistant_turns, tools)))
         except SkipRow as e:
             skips[e.reason] += 1
         except jinja2.TemplateError:  # e.g. a template that needs a turn before the assistant's
@@ -357,15 +612,17 @@ def eval_examples(
     """Evaluation prompts: `(prompt_messages, reference_answer)` for the first `num_examples`
     usable rows of `source` (see `load_rows`; e.g. the GSM8K test split, or `"synthetic"` with
     `seed`). The prompt is every message before the final assistant turn; the reference is that
-    turn's content (for GSM8K the worked answer ending in `#### <number>`)."""
+    turn's content (for GSM8K the worked answer ending in `#### <number>`). Rows with `tools`, or
+    whose final turn calls tools, are not usable: the prompt carries no tools and the reference
+    is an answer in text."""
     out = []
     for row in load_rows(source, num_rows=num_examples if source == SYNTHETIC else None, seed=seed):
         try:
             messages, last = _checked_messages(rows_to_messages(row, fmt))
         except SkipRow:
             continue
-        if last == 0:  # nothing to prompt with
-            continue
+        if last == 0 or row_tools(row, fmt) or "tool_calls" in messages[last]:
+            continue  # nothing to prompt with, or a tool-use row
         out.append((messages[:last], messages[last]["content"]))
         if len(out) == num_examples:
             break

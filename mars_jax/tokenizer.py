@@ -141,13 +141,25 @@ class Tokenizer:
         ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and ``<|mask|>``, are dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """Render ``messages`` (a list of ``{"role": str, "content": str}`` dicts) with the chat
-        template, as ``transformers``' ``apply_chat_template(tokenize=False)`` does; returns the
-        prompt text. With ``add_generation_prompt`` the template opens an assistant turn.
-        Raises ``jinja2.exceptions.TemplateError`` when the template calls ``raise_exception``."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """Render ``messages`` with the chat template, as ``transformers``'
+        ``apply_chat_template(tokenize=False, tools=tools)`` does; returns the prompt text.
+
+        Each message is a dict with ``"role"`` and ``"content"`` (str), and whatever other fields
+        the template reads, passed through as given: for tool use ``"tool_calls"`` (OpenAI format,
+        ``[{"type": "function", "function": {"name": str, "arguments": dict}}]``), ``"name"`` and
+        ``"tool_call_id"``. ``tools`` (JSON schemas of the callable functions, or None) is the
+        template's ``tools`` variable. With ``add_generation_prompt`` the template opens an
+        assistant turn. Raises ``jinja2.exceptions.TemplateError`` when the template calls
+        ``raise_exception``."""
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._tok.id_to_token(self.bos_id),
             eos_token=self._tok.id_to_token(self.eos_id),
@@ -155,11 +167,14 @@ class Tokenizer:
         )
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Return the ids of :meth:`render_chat`'s text (``encode(render_chat(...))``), the ids
         ``transformers``' ``apply_chat_template(tokenize=True)`` gives."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def save(self, directory: str) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (str, created
