@@ -9,7 +9,9 @@ forward, generated tokens/s, mean completion length, and agreement with the thre
 (one-token, i.e. AR) output, decoding with ``eval.cache_mode`` and ``eval.rule`` (see
 `mars_jax.decode`); once per checkpoint, the mean per-token negative log-likelihood
 of the reference answers under plain AR teacher forcing (paper Sec. 5 reports accuracy and
-tokens per forward). Everything is also written to ``workdir/eval.json``.
+tokens per forward). With ``eval.temperature`` > 0, prompt i samples with seed ``seed + i``
+(`decode.generate_batched`), whatever ``eval.batch_size``. Everything is also written to
+``workdir/eval.json``.
 
 From Python: ``evaluate.evaluate(config, workdir)`` with the run's ``ConfigDict``.
 """
