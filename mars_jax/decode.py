@@ -30,6 +30,17 @@ Cache modes (``cache_mode``):
   one more forward writes the block to the cache, so rows wait for each other at block ends.
 - ``none``: no cache; every step recomputes the whole sequence (the plain semantics, for tests).
 
+Sampling (``temperature`` > 0) draws each candidate from softmax(logits / temperature) by
+Gumbel-max, with noise keyed by the row's seed and the *position* it is drawn for:
+``fold_in(key(seed_r), p)``. A token's draw thus depends only on its row's seed, the position and
+the logits there, never on the row's place in the batch, the other rows, the padding width or
+how many forwards (or waits at block ends) the row needed. A request decodes the same alone and
+in any batch, in every cache mode (``sliding`` and ``none`` also agree with each other; ``block``
+is another scheme). A position drawn again after its candidate was rejected reuses its noise:
+where the mask's distribution equals the AR one, the token kept is exactly an AR sample. Rows
+with the same seed share noise position by position; give rows distinct seeds for independent
+draws (`generate_batched` gives each prompt its own).
+
 AR decoding is ``block_size=1`` in every mode. Cache slots at or past a row's cursor may hold
 stale values; they are always rewritten before being attended.
 
@@ -226,6 +237,8 @@ class _Settings:
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def _generate(graphdef, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
               rng, *, settings: _Settings):
+    """The jitted decoder: `_decode` under the settings' mesh and rules. ``rng``: one PRNG key
+    (every row's) or a key per row [R]; the other arguments as in `_decode`."""
     context = contextlib.ExitStack()
     if settings.mesh is not None:
         context.enter_context(jax.sharding.use_abstract_mesh(settings.mesh.abstract_mesh))
@@ -239,9 +252,11 @@ def _generate(graphdef, params, prompt_ids, prompt_lengths, threshold, max_accep
 
 def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, temperature, rng,
             st: _Settings):
-    """The decoding program (traced inside `_generate`); arguments as in `generate`."""
+    """The decoding program (traced inside `_generate`); arguments as in `generate`, except
+    ``rng``: a PRNG key for every row, or one per row [R] (sampling only)."""
     B = st.block_size
     rows, prompt_len = prompt_ids.shape
+    row_keys = rng if rng.ndim == 1 else jnp.broadcast_to(rng, (rows,))
     window = 2 * B - 1  # at most B uncached tokens (or 1 token and B-1 drafts), then B-1 masks
     slots = prompt_len + st.max_new_tokens + 2 * window
     slot_ids = jnp.arange(slots)
@@ -254,11 +269,16 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         logits = model.logits(hidden)
         return logits / temperature if st.sampling else logits
 
-    def choose(logits: jax.Array, forwards: jax.Array) -> jax.Array:
-        """int32 [R, C]: greedy or sampled candidates from `project`'s logits [R, C, V]."""
+    def choose(logits: jax.Array, positions: jax.Array) -> jax.Array:
+        """int32 [R, C]: greedy or sampled candidates from `project`'s logits [R, C, V], where
+        candidate [r, c] is the token at position positions[r, c] (int32 [R, C]). Sampling adds
+        Gumbel noise keyed by fold_in(row_keys[r], position) (module docstring)."""
         if st.sampling:
-            key = jax.random.fold_in(rng, forwards)
-            return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+            def noise(key, position):
+                return jax.random.gumbel(jax.random.fold_in(key, position), logits.shape[-1:])
+
+            by_row = jax.vmap(jax.vmap(noise, in_axes=(None, 0)))(row_keys, positions)
+            logits = logits + by_row
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def forward(ids, start, cache):
@@ -307,7 +327,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
         logits = project(read_rows(hidden, first, B))  # [R, B, V]
-        token = choose(logits, s.forwards)
+        token = choose(logits, s.committed[:, None] + jnp.arange(B))
         if st.rule != "verify":
             ok = _confident(confidence(logits, token, st.rule), threshold)
             count, hit_eos = _count(token, ok, eos, budget(s))
@@ -326,7 +346,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         # follows it; they are valid only where every draft was accepted.
         if B > 1:
             draft_logits = project(read_rows(hidden, first + s.num_drafts + 1, B - 1))
-            new_drafts = choose(draft_logits, s.forwards)
+            new_drafts = choose(draft_logits, (s.committed + s.num_drafts)[:, None] + i)
             sure = _confident(confidence(draft_logits, new_drafts, "prob"), threshold)
             # The next step accepts at most its drafts + 1 tokens: no more drafts than that uses.
             room = jnp.minimum(st.max_new_tokens - s.new_tokens - count, max_accept) - 1
@@ -363,7 +383,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         hidden, cache = forward(ids, start, s.cache)  # its block keys/values are rewritten later
         # Candidate for block position i: the prefix's prediction (i = 0) or slot i-1's output.
         logits = project(hidden[:, : B - 1])
-        token = choose(logits, s.forwards)
+        token = choose(logits, start[:, None] + block_pos[None, 1:])
         conf = confidence(logits, token, st.rule)
         cand = jnp.concatenate([block[:, :1], token], axis=1)  # [R, B]
         conf = jnp.concatenate([jnp.ones_like(conf[:, :1]), conf], axis=1)
@@ -379,7 +399,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
     def block_commit(s: DecodeState) -> DecodeState:
         start = s.cache_cursor
         hidden, cache = forward(read_rows(s.tokens, start, B), start, s.cache)
-        token = choose(project(hidden[:, B - 1 :]), s.forwards)  # the next block's first
+        token = choose(project(hidden[:, B - 1 :]), (start + B)[:, None])  # the next block's first
         zero = jnp.zeros_like(start)
         return advance(
             s, cache=cache, tokens=write_rows(s.tokens, token, start + B), count=zero,
@@ -416,7 +436,7 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         else:
             cache_cursor = prompt_lengths
             last = read_rows(hidden, prompt_lengths - 1, 1)
-            first = choose(project(last), jnp.int32(st.max_forwards))  # a key no step uses
+            first = choose(project(last), prompt_lengths[:, None])
             tokens = write_rows(tokens, first, prompt_lengths)
     init = DecodeState(
         cache=cache,
@@ -461,7 +481,7 @@ def generate(
     temperature: float = 0.0,
     eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
     mask_id: int = MASK_ID,
-    seed: int = 0,
+    seed: int | Sequence[int] | np.ndarray = 0,
     mesh: Mesh | None = None,
     rules: Any = None,
     on_accept: Callable[[np.ndarray, np.ndarray], None] | None = None,
@@ -488,7 +508,9 @@ def generate(
       eos_ids: tokens that end a row; the output is cut before the first one, even where a
         forward accepted tokens past it.
       mask_id: id of <|mask|>.
-      seed: PRNG seed for sampling.
+      seed: PRNG seed for sampling, in 0..2**32-1: one for every row, or one per row [R]. Row r's
+        sample depends only on its prompt, its seed and the settings, not on the batch (module
+        docstring); rows with equal seeds share noise position by position.
       mesh, rules: decode sharded on ``mesh`` by the flax logical-axis ``rules``
         (`mars_jax.sharding.logical_rules`); the parameters should already be placed by the same
         rules (`mars_jax.workdir.load_model` does).
@@ -499,7 +521,8 @@ def generate(
     Returns:
       A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths, block_size or
       max_new_tokens < 1, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
-      temperature, ``verify`` with sampling or in ``block`` mode, or a mesh without rules.
+      temperature, ``verify`` with sampling or in ``block`` mode, a seed that is not an integer
+      in 0..2**32-1 or not one for every row, or a mesh without rules.
     """
     prompt_ids = np.asarray(prompt_ids, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
@@ -529,6 +552,12 @@ def generate(
             "rule='verify' reproduces greedy AR decoding: it needs temperature 0 and cache_mode "
             f"'sliding' or 'none' (got temperature {temperature}, cache_mode {cache_mode!r})"
         )
+    seeds = np.asarray(seed)
+    if seeds.dtype.kind not in "iu" or seeds.shape not in ((), (rows,)):
+        raise ValueError(f"seed must be one integer or one per row ({rows}); got {seed!r}")
+    if seeds.min() < 0 or seeds.max() >= 2**32:
+        raise ValueError(f"seeds must lie in 0..2**32-1; got {seed!r}")
+    seeds = np.broadcast_to(seeds, (rows,)).astype(np.uint32)
     if max_accept_per_step is not None and max_accept_per_step < 1:
         raise ValueError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
     if (mesh is None) != (rules is None):
@@ -555,7 +584,7 @@ def generate(
         jnp.asarray(threshold),
         jnp.int32(block_size if max_accept_per_step is None else max_accept_per_step),
         jnp.float32(temperature),
-        jax.random.key(seed),
+        jax.vmap(jax.random.key)(jnp.asarray(seeds)),
         settings=settings,
     )
     tokens, lengths, accepted, row_forwards, forwards = jax.device_get(out)
@@ -568,20 +597,33 @@ def generate_batched(
     *,
     batch_size: int,
     pad_id: int = ENDOFTEXT_ID,
+    seed: int | Sequence[int] | np.ndarray = 0,
     **kwargs,
 ) -> DecodeOutput:
     """Decodes any number of prompts (lists of token ids) in batches of ``batch_size`` rows.
 
     Every batch has the same shape [batch_size, longest prompt] (the last one is filled with
-    one-token filler rows), so the decoder compiles once. ``kwargs`` go to `generate`
-    (block_size, threshold, max_new_tokens, cache_mode, rule, ...; a per-row threshold is not
-    supported here). Returns one `DecodeOutput` with a row per prompt, in order. Raises
-    ValueError as `pad_prompts` and `generate`.
+    one-token filler rows), so the decoder compiles once. ``seed`` is one integer, giving prompt
+    i the seed ``seed + i`` (independent draws per prompt), or one seed per prompt [N]; either
+    way a prompt's sample does not depend on ``batch_size`` or on the other prompts (`generate`).
+    Seeds must lie in 0..2**32-1. ``kwargs`` go to `generate` (block_size, threshold,
+    max_new_tokens, cache_mode, rule, temperature, ...; a per-row threshold is not supported
+    here). Returns one `DecodeOutput` with a row per prompt, in order. Raises ValueError as
+    `pad_prompts` and `generate`, and for a seed list whose length is not the number of prompts.
     """
     num_batches = -(-len(prompts) // batch_size)
     ids, lengths = pad_prompts(prompts, pad_id, rows=num_batches * batch_size)
+    seeds = np.asarray(seed)
+    if seeds.ndim == 0 and seeds.dtype.kind in "iu":
+        seeds = int(seeds) + np.arange(len(prompts), dtype=np.int64)
+    if seeds.shape != (len(prompts),):
+        raise ValueError(
+            f"seed must be one integer or one per prompt ({len(prompts)}); got {seed!r}"
+        )
+    seeds = np.pad(seeds, (0, len(ids) - len(prompts)))  # filler rows: seed 0
     outputs = [
-        generate(model, ids[i : i + batch_size], lengths[i : i + batch_size], **kwargs)
+        generate(model, ids[i : i + batch_size], lengths[i : i + batch_size],
+                 seed=seeds[i : i + batch_size], **kwargs)
         for i in range(0, len(ids), batch_size)
     ]
     return DecodeOutput.concatenate(outputs, rows=len(prompts))

@@ -146,6 +146,78 @@ def test_prompt_alone_equals_prompt_in_batch(mid):
         assert out.row_forwards[row] == alone.row_forwards[0]
 
 
+SAMPLE = dict(block_size=4, threshold=0.7, max_new_tokens=MAX_NEW, temperature=2.0)
+
+
+@pytest.mark.parametrize("cache_mode", ["sliding", "block"])
+def test_sampled_prompt_alone_equals_prompt_in_batch(mid, cache_mode):
+    """With temperature > 0 a row's sample depends only on its prompt and seed: the same alone,
+    in batches of other orders, other rows, other padding widths and pad ids, whatever seeds
+    the other rows have."""
+    kw = dict(SAMPLE, cache_mode=cache_mode)
+    ids, lengths, prompts = make_batch([4, 10, 7], seed=4)
+    _, _, strangers = make_batch([12, 2, 6], seed=9)
+    target, seed, others = prompts[1], 5, [prompts[0], prompts[2]]
+    alone = decode.generate(mid, np.asarray([target]), [len(target)], seed=seed, **kw)
+    greedy = decode.generate(mid, np.asarray([target]), [len(target)], **{**kw, "temperature": 0.0})
+    # The sample is not the greedy output; some forwards accept several tokens, some reject
+    # candidates (whose positions are drawn again by later forwards).
+    assert np.mean(alone.tokens != greedy.tokens) > 0.3
+    accepted, blocks = alone.accepted[0], -(-alone.accepted[0] // 4)
+    drawing = alone.row_forwards[0] - (blocks - 1 if cache_mode == "block" else 0)
+    assert blocks < drawing < accepted
+    for batch_mates, width, pad, where, other_seeds in [
+        (others, 10, ENDOFTEXT_ID, 1, None),  # the scalar seed, every row's
+        (others, 17, 12345, 2, [3, 4]),
+        (strangers, 12, ENDOFTEXT_ID, 3, [0, 0, 1]),
+        (strangers[:1], 30, 7, 0, [seed]),  # another row with the same seed
+    ]:
+        rows = list(batch_mates)
+        rows.insert(where, target)
+        batch = np.full((len(rows), width), pad, np.int32)
+        for r, p in enumerate(rows):
+            batch[r, : len(p)] = p
+        seeds = seed
+        if other_seeds is not None:
+            seeds = other_seeds[:where] + [seed] + other_seeds[where:]
+        out = decode.generate(mid, batch, [len(p) for p in rows], seed=seeds, **kw)
+        np.testing.assert_array_equal(out.tokens[where], alone.tokens[0])
+        assert out.lengths[where] == alone.lengths[0]
+        assert out.accepted[where] == alone.accepted[0]
+        if cache_mode == "sliding":  # block mode: rows wait for each other at block ends
+            assert out.row_forwards[where] == alone.row_forwards[0]
+
+
+def test_per_row_seeds(mid):
+    """Each row samples with its own seed: a batch with seeds [R] decodes every row as it does
+    alone with its seed, different seeds give different samples, the scalar seed is every
+    row's, and ``none`` (no cache) draws the same tokens as ``sliding``. Greedy ignores seeds."""
+    ids, lengths, _ = make_batch([5, 9, 3], seed=10)
+    seeds = [11, 0, 2**32 - 1]
+    out = decode.generate(mid, ids, lengths, seed=seeds, **SAMPLE)
+    for r, s in enumerate(seeds):
+        alone = decode.generate(mid, ids[r : r + 1, : lengths[r]], lengths[r : r + 1], seed=s,
+                                **SAMPLE)
+        for f in ("tokens", "lengths", "accepted", "row_forwards"):
+            assert getattr(out, f)[r].tolist() == getattr(alone, f)[0].tolist(), (r, f)
+    flipped = decode.generate(mid, ids[::-1], lengths[::-1], seed=seeds[::-1], **SAMPLE)
+    np.testing.assert_array_equal(flipped.tokens[::-1], out.tokens)
+    same = decode.generate(mid, ids, lengths, seed=np.array([11, 11, 11], np.uint32), **SAMPLE)
+    scalar = decode.generate(mid, ids, lengths, seed=11, **SAMPLE)
+    np.testing.assert_array_equal(same.tokens, scalar.tokens)
+    np.testing.assert_array_equal(same.tokens[0], out.tokens[0])
+    for r in (1, 2):  # another seed, another sample
+        assert np.mean(same.tokens[r] != out.tokens[r]) > 0.3
+    none = decode.generate(mid, ids, lengths, seed=seeds, cache_mode="none", **SAMPLE)
+    for f in ("tokens", "lengths", "accepted", "row_forwards"):
+        np.testing.assert_array_equal(getattr(none, f), getattr(out, f), err_msg=f)
+    greedy = {**SAMPLE, "temperature": 0.0}
+    np.testing.assert_array_equal(
+        decode.generate(mid, ids, lengths, seed=seeds, **greedy).tokens,
+        decode.generate(mid, ids, lengths, **greedy).tokens,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # EOS, budget, sampling, argument checks.
 
@@ -230,11 +302,21 @@ def test_sampling_is_seeded(flat, mid):
     assert np.mean(a.tokens != greedy.tokens) > 0.5
     # Confidence is the sampled token's probability, tiny on a flat model: one token per forward.
     assert a.tokens_per_forward == 1.0
-    # A uniform model (all logits 0): every draw is fresh, across steps, rows and positions.
+    # A uniform model (all logits 0): every draw is fresh, across steps and positions.
     uniform = decode.generate(make_model(0.0), ids, lengths, seed=0, **kw)
     for row in uniform.tokens:
         assert len(set(row.tolist())) >= MAX_NEW - 2
     assert uniform.tokens_per_forward == 1.0
+    # The noise is keyed by (row seed, position): rows with one seed draw the same token at the
+    # same position where their logits agree (here everywhere), and other seeds do not.
+    by_position = lambda out, r: dict(zip(range(lengths[r], lengths[r] + MAX_NEW), out.tokens[r]))
+    rows = [by_position(uniform, r) for r in range(3)]
+    shared = sorted(set(rows[0]) & set(rows[1]) & set(rows[2]))
+    assert len(shared) == MAX_NEW - 6  # positions 9 .. 18
+    assert all(rows[0][p] == rows[1][p] == rows[2][p] for p in shared)
+    apart = decode.generate(make_model(0.0), ids, lengths, seed=[0, 1, 2], **kw)
+    assert all(by_position(apart, 0)[p] != by_position(apart, 1)[p] for p in shared)
+    np.testing.assert_array_equal(apart.tokens[0], uniform.tokens[0])
     # Near-zero temperature samples the argmax: one-token mode then equals greedy decoding.
     cold = decode.generate(
         mid, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW, temperature=1e-4
@@ -258,6 +340,9 @@ def test_invalid_arguments(flat):
         decode.generate(flat, ids, lengths, block_size=0, threshold=0.9, max_new_tokens=4)
     with pytest.raises(ValueError):
         decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=0)
+    for seed in (-1, 2**32, [1, 2, 3], [1], [[1], [2]], 1.5, [0.0, 1.0], True, "0"):
+        with pytest.raises(ValueError, match="seed"):
+            decode.generate(flat, ids, lengths, seed=seed, **kw)
 
 
 def test_pad_prompts():
@@ -293,6 +378,28 @@ def test_generate_batched_equals_each_batch(mid):
     assert out.tokens_per_forward == pytest.approx(out.accepted.sum() / out.row_forwards.sum())
     assert out.tokens_per_forward > 1.0  # the confident model accepts several tokens per step
     np.testing.assert_allclose(out.row_tokens_per_forward, out.accepted / out.row_forwards)
+
+
+def test_generate_batched_gives_each_prompt_its_seed(mid):
+    """A scalar seed gives prompt i the seed seed + i; a list gives each prompt its own. Either
+    way a prompt's sample is the same whatever the batch size and the prompt order."""
+    _, _, prompts = make_batch([3, 9, 6, 4, 7], seed=7)
+    by_two = decode.generate_batched(mid, prompts, batch_size=2, seed=7, **SAMPLE)
+    by_three = decode.generate_batched(mid, prompts, batch_size=3, seed=7, **SAMPLE)
+    backwards = decode.generate_batched(
+        mid, prompts[::-1], batch_size=5, seed=[11, 10, 9, 8, 7], **SAMPLE
+    )
+    for other, rows in [(by_three, slice(None)), (backwards, slice(None, None, -1))]:
+        for f in ("tokens", "lengths", "accepted", "row_forwards"):
+            np.testing.assert_array_equal(getattr(other, f)[rows], getattr(by_two, f), err_msg=f)
+    for i in (0, 3):
+        alone = decode.generate(mid, np.asarray([prompts[i]]), [len(prompts[i])], seed=7 + i,
+                                **SAMPLE)
+        np.testing.assert_array_equal(alone.tokens[0], by_two.tokens[i])
+    greedy = decode.generate_batched(mid, prompts, batch_size=2, **{**SAMPLE, "temperature": 0.0})
+    assert np.mean(greedy.tokens != by_two.tokens) > 0.3
+    with pytest.raises(ValueError, match="seed"):
+        decode.generate_batched(mid, prompts, batch_size=2, seed=[1, 2], **SAMPLE)
 
 
 def test_loop_ends_even_if_a_step_accepts_nothing(mid, monkeypatch):

@@ -1,0 +1,129 @@
+r"""Tests of mars_jax.evaluate's answer scoring: numerically equal answers score as equal,
+whatever form GSM8K references and model completions write them in ($1,000, 5.50, "is 18.",
+\boxed{...}, 25%, 1/2, ...), and different numbers never do (18 vs 180, 1.5 vs 15, European
+"1.000" vs 1,000)."""
+
+from fractions import Fraction
+
+import pytest
+
+from mars_jax import evaluate
+
+# (completion, reference): the same number.
+EQUAL = [
+    ("#### 1000", "Natalia sold 1,000 clips.\n#### 1,000"),
+    ("The total is $1,000.", "#### 1,000"),
+    ("She pays $1,000.00 in all.", "#### 1000"),
+    ("#### 5.50", "#### 5.5"),
+    ("It costs 18.00 dollars", "#### 18"),
+    ("So the answer is 18.", "#### 18"),
+    ("18.0", "#### 18"),
+    ("#### 0.50", "#### .5"),
+    ("#### 12,345,678.90", "#### 12345678.9"),
+    ("The change is -5 degrees.", "#### -5"),
+    ("The change is \u22125 degrees.", "#### -5"),  # U+2212 MINUS SIGN
+    ("He lost -$5 today", "#### -5"),
+    ("He lost $-5 today", "#### -5"),
+    ("#### +7", "#### 7"),
+    ("The discount is 25%.", "#### 25"),
+    (r"The discount is $25\%$.", "#### 25"),
+    ("She ate 1/2 of it", "#### 0.5"),
+    ("6/4 = 1.5, so 3/2", "#### 1.5"),
+    (r"Hence \boxed{1{,}000}.", "#### 1,000"),
+    (r"\boxed{\$18.00} and then 3 more", "#### 18"),
+    (r"\boxed{18 \text{ dollars}}", "#### 18"),
+    (r"the answer is $\boxed{\frac{3}{4}}$", "#### 0.75"),
+    (r"\boxed{-\dfrac{10}{4}}", "#### -2.5"),
+    ("**Answer:** 42", "#### 42"),
+    ("3 + 4 = 7\n#### 7\nThe user asks 99 more", "#### 7"),  # the first number after ####
+    ("There are 10 apples and 8 pears: 18 fruits in all", "#### 18"),  # the last number
+    ("5 - 3 = 2", "#### 2"),
+]
+
+# (completion, reference): different numbers, or no answer.
+DIFFERENT = [
+    ("#### 18", "#### 180"),
+    ("#### 180", "#### 18"),
+    ("#### 1.5", "#### 15"),
+    ("#### 15", "#### 1.5"),
+    ("#### 1.000", "#### 1,000"),  # a point is a decimal point, never a thousands separator
+    ("#### 3,5", "#### 3.5"),  # a comma is a thousands separator (groups of 3), never a point
+    ("#### 1 000", "#### 1000"),  # spaces separate numbers
+    ("#### 1,00", "#### 100"),
+    ("#### 18", "#### -18"),
+    ("#### -5", "#### 5"),
+    ("The discount is 25%.", "#### 0.25"),  # a percent sign is dropped, not applied
+    ("3-5", "#### -5"),  # a hyphen after a digit is not a sign
+    ("#### 2/3", "#### 0.67"),
+    ("#### 0.1", "#### 0.10000001"),
+    ("no number here", "#### 0"),
+    ("5 apples, then #### and no number", "#### 5"),
+    ("#### 5", "no number in the reference"),
+    (r"\boxed{7} after 7.5", "#### 7.5"),  # the boxed answer wins over a later number
+    ("1 1/2 cups", "#### 1.5"),  # by decision no mixed numbers: the last number is 1/2
+]
+
+
+@pytest.mark.parametrize("completion,reference", EQUAL)
+def test_equal_numbers_match(completion, reference):
+    answer = evaluate.extract_answer(completion)
+    assert answer is not None and answer == evaluate.extract_answer(reference)
+    assert evaluate.answers_match(completion, reference)
+    assert evaluate.answer_value(completion) == evaluate.answer_value(reference)
+
+
+@pytest.mark.parametrize("completion,reference", DIFFERENT)
+def test_different_numbers_do_not_match(completion, reference):
+    a, b = evaluate.extract_answer(completion), evaluate.extract_answer(reference)
+    assert a is None or b is None or a != b
+    assert not evaluate.answers_match(completion, reference)
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("#### 1,000", Fraction(1000)),
+        ("costs $5.50.", Fraction(11, 2)),
+        ("#### -12,345.25", Fraction(-49381, 4)),
+        (r"\boxed{\frac{1}{3}}", Fraction(1, 3)),
+        ("divide by 10/0 and 4", Fraction(4)),  # a zero denominator is no number
+        ("version 2", Fraction(2)),
+        ("\u7b54\u6848\u662f18", Fraction(18)),  # after non-Latin letters too
+        ("no digits", None),
+        ("####", None),
+        (r"\boxed{} 12", Fraction(12)),  # an empty box: the last number of the text
+        (r"\boxed{5 + \boxed{6} = 11", Fraction(6)),  # the last box (in an unclosed one)
+        (r"7 and \boxed{12", Fraction(12)),  # an unclosed box runs to the end
+    ],
+)
+def test_answer_value(text, value):
+    assert evaluate.answer_value(text) == value
+
+
+@pytest.mark.parametrize(
+    "value,text",
+    [
+        (Fraction(1000), "1000"),
+        (Fraction(-3), "-3"),
+        (Fraction(11, 2), "5.5"),
+        (Fraction(1, 4), "0.25"),
+        (Fraction(-1, 8), "-0.125"),
+        (Fraction(1, 10**7), "0.0000001"),
+        (Fraction(123456789, 10), "12345678.9"),
+        (Fraction(1, 3), "1/3"),
+        (Fraction(-7, 6), "-7/6"),
+        (Fraction(0), "0"),
+    ],
+)
+def test_format_number_is_canonical(value, text):
+    assert evaluate.format_number(value) == text
+    assert Fraction(text) == value
+
+
+def test_accuracy_compares_numbers():
+    completions = ["#### 1000.00", "The answer is $18.", "#### 180", "no idea", r"\boxed{25\%}"]
+    references = ["#### 1,000", "#### 18", "#### 18", "#### 0", "#### 25"]
+    assert evaluate.accuracy(completions, references) == pytest.approx(3 / 5)
+    assert evaluate.accuracy([], []) == 0.0
+    with pytest.raises(ValueError, match="2 completions for 1 references"):
+        evaluate.accuracy(["1", "2"], ["#### 1"])
