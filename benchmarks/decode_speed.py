@@ -265,7 +265,7 @@ def prefill_run(s: Subject, family: str, *, batch: int, block_size: int):
             with torch.inference_mode():
                 for ids, mask in batches:
                     s.hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                         use_cache=True)
+                         use_cache=True, logits_to_keep=1)  # as generate: the last only
         return run
     graphdef, params = nnx.split(s.model)
     width = max(map(len, prompts))
