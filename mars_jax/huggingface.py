@@ -409,7 +409,8 @@ def export_hf(
     (default: <|mask|>'s 151665 where the embedding has that row); ``block_size`` (the
     training block size, e.g. `mars_jax.workdir.trained_block_size`) is recorded as
     ``mars_block_size`` when given. Tokenizer files are not written here (see
-    `mars_jax.export.export_run`).
+    `mars_jax.export.export_run`). Every file written has mode 0666 less the umask (0644
+    under the usual 022), the weights included.
 
     Raises FileExistsError if ``path`` already holds safetensors weights (stale shards next to
     new ones would be ambiguous); ValueError for a ``mask_token_id`` outside the embedding or
@@ -471,3 +472,10 @@ def export_hf(
     if generation is not None:
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump(generation, f, indent=2)
+    # safetensors writes its files with mode 0600 (a private temporary file renamed into place);
+    # give them the mode every other file gets: 0666 less the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            os.chmod(os.path.join(path, f), 0o666 & ~umask)

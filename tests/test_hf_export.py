@@ -8,6 +8,8 @@ and the run's block size without breaking transformers' or our own loading.
 """
 
 import json
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +144,25 @@ def test_export_run_declares_the_mask_token_and_block_size(qwen_vocab, run_dir, 
 
     np.testing.assert_allclose(our_logits(again, ids), theirs, rtol=0, atol=1e-4)
     assert load_tokenizer(str(out)).mask_id == MASK_ID
+
+
+def test_exported_files_respect_the_umask(tied_ckpt, tmp_path):
+    # safetensors writes its weights with mode 0600; every exported file should have the mode
+    # the umask gives any other new file (and the sharded layout too).
+    old = os.umask(0o022)
+    try:
+        model = huggingface.load_hf(str(tied_ckpt[0]))
+        huggingface.export_hf(model, str(tmp_path / "one"))
+        huggingface.export_hf(model, str(tmp_path / "sharded"), max_shard_bytes=1 << 12)
+        os.umask(0o027)
+        huggingface.export_hf(model, str(tmp_path / "strict"))
+    finally:
+        os.umask(old)
+    for name, mode in (("one", 0o644), ("sharded", 0o644), ("strict", 0o640)):
+        files = sorted((tmp_path / name).iterdir())
+        assert any(f.suffix == ".safetensors" for f in files)
+        if name == "sharded":
+            assert (tmp_path / name / "model.safetensors.index.json").exists()
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {
+            f.name: mode for f in files
+        }
