@@ -9,11 +9,12 @@ From Python: ``generate.complete(workdir, ["What is 12 * 7?"], threshold=0.95)``
 
 Each prompt is a user turn rendered with the run's chat template; all prompts are decoded as one
 batch. ``--prompt`` may be repeated; ``--prompts_file`` is a JSONL file of objects
-{"prompt": str, "threshold": float (optional: this row's threshold)}. The CLI prints each
-completion, or with --json one JSON object per prompt: {"prompt", "tokens" (ids), "text",
-"tokens_per_forward"}. With --stream the text is printed as the decoder commits it, one chunk
-per forward (rows tagged ``[i]`` when there are several), so several tokens can be seen landing
-at once.
+{"prompt": str, "threshold": float (optional: this row's threshold)}. The CLI prints the
+completion, or with several prompts each completion under a header line ``=== [i] 'prompt'
+===``, completions separated by a blank line (`format_text`); or with --json one JSON object
+per prompt: {"prompt", "tokens" (ids), "text", "tokens_per_forward"}. With --stream the text
+is printed as the decoder commits it, one chunk per forward (rows tagged ``[i]`` when there are
+several), so several tokens can be seen landing at once.
 """
 
 from __future__ import annotations
@@ -114,6 +115,18 @@ def complete(
     ]
 
 
+def format_text(results: Sequence[dict]) -> str:
+    """The plain-text CLI output of `complete`'s ``results``: one result's text alone; several
+    results each under a header line ``=== [i] 'prompt' ===`` (the prompt as a Python literal,
+    so it stays on one line) and separated by a blank line, so completions never run together
+    (an empty completion is an empty line under its header)."""
+    if len(results) == 1:
+        return results[0]["text"]
+    return "\n\n".join(
+        f"=== [{i}] {r['prompt']!r} ===\n{r['text']}" for i, r in enumerate(results)
+    )
+
+
 def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
     """The prompts of a JSONL file of {"prompt": str, "threshold": float (optional)} objects:
     (prompts, thresholds with None where a row gives none). Raises ValueError naming the file and
@@ -176,11 +189,11 @@ def main() -> None:
         )
         if stream.value and not tagged:
             print()
-        for result in results:
-            if as_json.value:
+        if as_json.value:
+            for result in results:
                 print(json.dumps(result))
-            elif not stream.value:
-                print(result["text"])
+        elif not stream.value:
+            print(format_text(results))
 
     cli.run(run)
 
