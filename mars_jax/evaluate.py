@@ -11,7 +11,10 @@ and agreement with the threshold-1.0 (one-token, i.e. AR) output, decoding with
 per-token negative log-likelihood of the reference answers under plain AR teacher forcing (paper
 Sec. 5 reports accuracy and tokens per forward). With ``eval.temperature`` > 0, prompt i samples
 with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``. Everything is
-also written to ``workdir/eval.json``.
+also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per evaluation, so that
+earlier evaluations, at other thresholds or steps, are kept) and copied to
+``workdir/eval.json`` (the latest evaluation); see `write_report`. ``eval.thresholds`` must each
+lie in (0, 1]; they are checked before anything is loaded.
 
 From Python: ``evaluate.evaluate(config, workdir)`` with the run's ``ConfigDict``.
 """
@@ -183,17 +186,61 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
     return total / max(count, 1)
 
 
+def check_thresholds(thresholds) -> list[float]:
+    """``thresholds`` (the config's ``eval.thresholds``) as floats. Raises ValueError naming
+    ``eval.thresholds`` when it is empty or holds a value that is not a number in (0, 1]."""
+    try:
+        values = [float(t) for t in thresholds]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"eval.thresholds must be a list of numbers in (0, 1], got {thresholds!r}"
+        ) from None
+    bad = [t for t in values if not 0.0 < t <= 1.0]  # NaN fails too
+    if not values or bad:
+        raise ValueError(
+            f"eval.thresholds must be a non-empty list of numbers in (0, 1], got {values}"
+            + (f" ({', '.join(map(str, bad))} outside)" if bad else "")
+        )
+    return values
+
+
+def write_report(workdir: str, report: dict) -> str:
+    """Writes ``report`` as a new file ``workdir/eval/step_<step>_<UTC time>.json`` (a
+    ``_<n>`` suffix where that name is taken; an existing file is never overwritten) and copies
+    it to ``workdir/eval.json``, the latest evaluation. Returns the new file's path."""
+    directory = os.path.join(workdir, "eval")
+    os.makedirs(directory, exist_ok=True)
+    stem = f"step_{report['step']}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    text = json.dumps(report, indent=2)
+    for n in range(1000):
+        path = os.path.join(directory, stem + (f"_{n}" if n else "") + ".json")
+        try:
+            with open(path, "x") as f:
+                f.write(text)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"{directory}: too many evaluations named {stem}_*.json")
+    with open(os.path.join(workdir, "eval.json"), "w") as f:
+        f.write(text)
+    return path
+
+
 def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     """Runs the evaluation described in the module docstring on checkpoint ``step`` (default:
     the latest) of ``workdir``, with the ``data`` and ``eval`` sections of run config ``cfg``.
 
-    Prints the table, writes ``workdir/eval.json`` and returns the report: {workdir, step,
+    Prints the table, writes it (`write_report`: a new ``workdir/eval/step_*.json`` and
+    ``workdir/eval.json``) and returns the report: {workdir, step,
     num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold, accuracy,
     tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
-    workdir without checkpoints, ValueError when the evaluation source yields no examples.
+    workdir without checkpoints, ValueError when the evaluation source yields no examples or for
+    ``eval.thresholds`` outside (0, 1] (`check_thresholds`, before anything is loaded).
     """
-    model, tok, step = wd.load_model(workdir, step=step)
     e = cfg.eval
+    thresholds = check_thresholds(e.thresholds)
+    model, tok, step = wd.load_model(workdir, step=step)
     source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
@@ -225,7 +272,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     logging.info("compiling the decoder and decoding the threshold-1.0 reference")
     reference_outputs = run(1.0).completions()
     results = []
-    for threshold in e.thresholds:
+    for threshold in thresholds:
         logging.info("decoding %d prompts at threshold %.2f", len(prompts), threshold)
         start = time.perf_counter()
         out = run(threshold)
@@ -266,8 +313,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         "results": results,
     }
     print(format_table(report))
-    with open(os.path.join(workdir, "eval.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    logging.info("wrote %s", write_report(workdir, report))
     return report
 
 

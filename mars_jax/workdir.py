@@ -8,7 +8,8 @@ Layout of ``workdir``:
                     asynchronously): parameters as nested dicts of arrays (``nnx.to_pure_dict``,
                     readable without this package), the optax state, and the data position
   metrics.jsonl     one JSON object per logged training step (`mars_jax.metrics`)
-  eval.json         the last evaluation (`mars_jax.evaluate`)
+  eval.json         the latest evaluation (`mars_jax.evaluate`)
+  eval/step_<step>_<UTC time>.json   every evaluation, one file each, never overwritten
 
 `Checkpoints` is the only code that names the Orbax items.
 """

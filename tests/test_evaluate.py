@@ -3,6 +3,7 @@ whatever form GSM8K references and model completions write them in ($1,000, 5.50
 \boxed{...}, 25%, 1/2, ...), and different numbers never do (18 vs 180, 1.5 vs 15, European
 "1.000" vs 1,000)."""
 
+import json
 from fractions import Fraction
 
 import pytest
@@ -127,3 +128,33 @@ def test_accuracy_compares_numbers():
     assert evaluate.accuracy([], []) == 0.0
     with pytest.raises(ValueError, match="2 completions for 1 references"):
         evaluate.accuracy(["1", "2"], ["#### 1"])
+
+
+@pytest.mark.parametrize("thresholds", [(0.9, 1.5), (-0.5,), (0.0,), (float("nan"),), ()])
+def test_thresholds_outside_0_1_are_refused_before_loading(thresholds, tmp_path):
+    # The workdir does not exist: the thresholds are checked before the checkpoint is loaded
+    # (which would raise FileNotFoundError), and the message names the config field.
+    from configs import tiny
+
+    cfg = tiny.get_config()
+    cfg.eval.thresholds = thresholds
+    with pytest.raises(ValueError, match=r"eval\.thresholds must be a non-empty list"):
+        evaluate.evaluate(cfg, str(tmp_path / "no_run"))
+    assert evaluate.check_thresholds((1, 0.5)) == [1.0, 0.5]
+
+
+def test_each_evaluation_is_kept_in_its_own_file(tmp_path):
+    # Two evaluations of the same step with different thresholds: both stay findable under
+    # eval/, and eval.json is the latest.
+    first = {"step": 7, "results": [{"threshold": 0.9}]}
+    second = {"step": 7, "results": [{"threshold": 0.5}]}
+    paths = [evaluate.write_report(str(tmp_path), r) for r in (first, second)]
+    assert len(set(paths)) == 2
+    files = sorted((tmp_path / "eval").iterdir())
+    assert [f.name.startswith("step_7_") for f in files] == [True, True]
+    assert sorted(json.loads(f.read_text())["results"][0]["threshold"] for f in files) == [
+        0.5,
+        0.9,
+    ]
+    assert json.loads(open(paths[1]).read()) == second
+    assert json.loads((tmp_path / "eval.json").read_text()) == second
