@@ -492,12 +492,17 @@ def generate(
       model: a `Qwen2` (MARS-trained, or any AR model with threshold 1.0).
       prompt_ids: int [R, P] prompts, right-padded with any id; which tokens are valid comes only
         from ``prompt_lengths`` (a prompt may itself contain <|endoftext|>).
-      prompt_lengths: int [R], each in 1..P.
+      prompt_lengths: int [R], each in 1..P. There is no context limit here: RoPE positions
+        run on past any length the model was trained on (the prompt plus ``max_new_tokens``
+        needs only cache memory); staying within the model's trained context (an HF config's
+        ``max_position_embeddings``, which `ModelConfig` does not record) is the caller's
+        choice.
       block_size: B, the most tokens accepted per forward (the training block size).
       threshold: confidence needed to accept a candidate after the first, in (0, 1]; a scalar or
         one per row [R]. 1.0 accepts exactly one token per forward (AR decoding), even where a
         probability rounds to 1.0. With ``rule="verify"`` it chooses how many drafts to propose.
-      max_new_tokens: completion budget per row.
+      max_new_tokens: completion budget per row; 0 returns empty completions (tokens [R, 0],
+        zero counts) after the argument checks, without compiling or running the model.
       cache_mode: ``sliding``, ``block`` or ``none`` (module docstring).
       rule: ``prob``, ``entropy``, ``margin`` or ``verify`` (module docstring).
       max_accept_per_step: most tokens a row accepts per forward (default B).
@@ -519,8 +524,8 @@ def generate(
         (0 for finished rows). For streaming; ordered; the EOS, if any, is included.
 
     Returns:
-      A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths, block_size or
-      max_new_tokens < 1, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
+      A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths (naming the rows
+      whose length is outside 1..P, e.g. an empty prompt), block_size < 1, max_new_tokens < 0, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
       temperature, ``verify`` with sampling or in ``block`` mode, a seed that is not an integer
       in 0..2**32-1 or not one for every row, or a mesh without rules.
     """
@@ -532,11 +537,22 @@ def generate(
             f"{prompt_ids.shape} and {prompt_lengths.shape}"
         )
     rows = prompt_ids.shape[0]
-    if prompt_lengths.min() < 1 or prompt_lengths.max() > prompt_ids.shape[1]:
-        raise ValueError(f"prompt_lengths must lie in 1..{prompt_ids.shape[1]}")
-    if block_size < 1 or max_new_tokens < 1:
+    if rows == 0:
+        raise ValueError("no prompts: prompt_ids has no rows")
+    bad = np.flatnonzero((prompt_lengths < 1) | (prompt_lengths > prompt_ids.shape[1]))
+    if bad.size:
         raise ValueError(
-            f"block_size ({block_size}) and max_new_tokens ({max_new_tokens}) must be >= 1"
+            f"prompt_lengths must lie in 1..{prompt_ids.shape[1]}; "
+            + ", ".join(
+                f"row {r} has {prompt_lengths[r]}"
+                + (" (an empty prompt)" if prompt_lengths[r] < 1 else "")
+                for r in bad[:8]
+            )
+            + (f" and {bad.size - 8} more" if bad.size > 8 else "")
+        )
+    if block_size < 1 or max_new_tokens < 0:
+        raise ValueError(
+            f"block_size ({block_size}) must be >= 1 and max_new_tokens ({max_new_tokens}) >= 0"
         )
     threshold = np.broadcast_to(np.asarray(threshold, np.float32), (rows,))
     if not np.all((threshold > 0) & (threshold <= 1)):
@@ -562,6 +578,9 @@ def generate(
         raise ValueError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
     if (mesh is None) != (rules is None):
         raise ValueError("mesh and rules go together: pass both or neither")
+    if max_new_tokens == 0:  # nothing to decode: empty completions, nothing compiled or run
+        zeros = np.zeros((rows,), np.int32)
+        return DecodeOutput(np.zeros((rows, 0), np.int32), zeros, zeros.copy(), zeros.copy(), 0)
     settings = _Settings(
         block_size=block_size,
         max_new_tokens=max_new_tokens,

@@ -339,7 +339,7 @@ def test_invalid_arguments(flat):
     with pytest.raises(ValueError):
         decode.generate(flat, ids, lengths, block_size=0, threshold=0.9, max_new_tokens=4)
     with pytest.raises(ValueError):
-        decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=0)
+        decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=-1)
     for seed in (-1, 2**32, [1, 2, 3], [1], [[1], [2]], 1.5, [0.0, 1.0], True, "0"):
         with pytest.raises(ValueError, match="seed"):
             decode.generate(flat, ids, lengths, seed=seed, **kw)
