@@ -525,7 +525,8 @@ def generate(
 
     Returns:
       A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths (naming the rows
-      whose length is outside 1..P, e.g. an empty prompt), block_size < 1, max_new_tokens < 0, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
+      whose length is outside 1..P, e.g. an empty prompt), no rows, block_size < 1,
+      max_new_tokens < 0, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
       temperature, ``verify`` with sampling or in ``block`` mode, a seed that is not an integer
       in 0..2**32-1 or not one for every row, or a mesh without rules.
     """
