@@ -74,3 +74,13 @@ def test_batch_of_64_early_eos_and_special_tokens_in_prompts(mid):
     np.testing.assert_array_equal(out.tokens[1], alone.tokens[0])
     assert (out.accepted[1], out.row_forwards[1]) == (alone.accepted[0], alone.row_forwards[0])
     assert out.forwards >= alone.forwards
+
+
+def test_a_prompt_longer_than_any_training_context_decodes(mid):
+    # ModelConfig records no context limit and RoPE has none: a 700-token prompt (the tiny
+    # model was never trained at all, let alone on 700 positions) decodes as the uncached
+    # reference does, past the 512 positions of a small HF config.
+    ids, lengths, prompts = make_batch([700, 3], seed=12)
+    out = decode.generate(mid, ids, lengths, max_new_tokens=MAX_NEW, **KW)
+    fwd = Uncached(mid, ids.shape[1] + MAX_NEW + 4)
+    assert out.completions()[0] == reference_mars(fwd, prompts[0], max_new=MAX_NEW, **KW)[0]
