@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, data, decode, workdir as wd
+from mars_jax import cli, data, decode, settings, workdir as wd
 from mars_jax.objectives import ar_loss
 
 # An unsigned number: digits with comma thousands separators in groups of exactly three
@@ -190,8 +190,10 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     Prints the table, writes ``workdir/eval.json`` and returns the report: {workdir, step,
     num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold, accuracy,
     tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
-    workdir without checkpoints, ValueError when the evaluation source yields no examples.
+    workdir without checkpoints, ValueError when the evaluation source yields no examples;
+    first `settings.SettingError` / `settings.MissingPath` for a bad setting (`settings.check`).
     """
+    settings.check(cfg, training=False)
     model, tok, step = wd.load_model(workdir, step=step)
     e = cfg.eval
     source, fmt, seed = data.eval_source(cfg)
