@@ -177,8 +177,9 @@ def mesh_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
     return sizes
 
 
-def check_devices(cfg, num_devices: int) -> None:
-    """Mesh, head and batch checks for ``num_devices`` devices. Raises SettingError."""
+def check_devices(cfg, num_devices: int, heads: tuple[int, int] | None = None) -> None:
+    """Mesh, head and batch checks for ``num_devices`` devices; ``heads`` (num_heads,
+    num_kv_heads) of the model to train, default ``cfg.model``'s. Raises SettingError."""
     sizes = mesh_sizes(cfg.mesh, num_devices)
     rules = dict(sharding.logical_rules(cfg.mesh.rules))
 
@@ -187,15 +188,15 @@ def check_devices(cfg, num_devices: int) -> None:
         axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
         return math.prod(sizes[a] for a in axes)
 
-    if not cfg.init_from:  # init_from brings its own heads: checked by sharding.abstract_params
-        m = cfg.model
-        for name, count in (("heads", m.num_heads), ("kv_heads", m.num_kv_heads)):
-            if count % size(name):
-                raise SettingError(
-                    f"mesh.rules.{name}",
-                    rules.get(name),
-                    f"size {size(name)} (mesh {sizes}) splits model.num_{name}={count}",
-                )
+    heads = (cfg.model.num_heads, cfg.model.num_kv_heads) if heads is None else heads
+    where = f"the model of init_from={cfg.init_from!r}" if cfg.init_from else "model"
+    for name, count in zip(("heads", "kv_heads"), heads):
+        if count % size(name):
+            raise SettingError(
+                f"mesh.rules.{name}",
+                rules.get(name),
+                f"size {size(name)} (mesh {sizes}) splits the {count} {name} of {where}",
+            )
     dp, bs = size("batch"), cfg.train.batch_size
     if bs % dp:
         raise SettingError(

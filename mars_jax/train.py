@@ -126,9 +126,9 @@ def train(cfg, workdir: str) -> dict:
     """
     settings.check(cfg, training=True)
     distributed.initialize(cfg.distributed)
-    settings.check_devices(cfg, jax.device_count())
     check_config(cfg.objective)
     model_cfg = model_config(cfg)
+    settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
     t = cfg.train

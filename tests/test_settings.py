@@ -91,6 +91,15 @@ def test_bad_device_setting(overrides, devices, key, value):
     one_line_error(e, f"{key}=", value)
 
 
+def test_heads_of_init_from():
+    """With init_from the heads are the loaded model's (Qwen2.5-0.5B: 14 and 2)."""
+    cfg = tiny(init_from="/models/q", mesh__data=4, mesh__tensor=2)
+    settings.check_devices(cfg, 8, heads=(14, 2))
+    with pytest.raises(settings.SettingError) as e:
+        settings.check_devices(tiny(init_from="/models/q", mesh__data=2, mesh__tensor=4), 8, (14, 2))
+    one_line_error(e, "mesh.rules.heads=", "splits the 14 heads", "init_from='/models/q'")
+
+
 def test_missing_paths(tmp_path):
     rows = tmp_path / "train.jsonl"
     rows.write_text('{"messages": []}\n')
