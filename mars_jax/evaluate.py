@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, data, decode, workdir as wd
+from mars_jax import cli, data, decode, settings, workdir as wd
 from mars_jax.objectives import ar_loss
 
 # An unsigned number: digits with comma thousands separators in groups of exactly three
@@ -235,9 +235,11 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     ``workdir/eval.json``) and returns the report: {workdir, step,
     num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold, accuracy,
     tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
-    workdir without checkpoints, ValueError when the evaluation source yields no examples or for
-    ``eval.thresholds`` outside (0, 1] (`check_thresholds`, before anything is loaded).
+    workdir without checkpoints, ValueError when the evaluation source yields no examples;
+    first `settings.SettingError` / `settings.MissingPath` for a bad setting (`settings.check`,
+    eval.thresholds outside (0, 1] among them), before anything is loaded.
     """
+    settings.check(cfg, training=False)
     e = cfg.eval
     thresholds = check_thresholds(e.thresholds)
     model, tok, step = wd.load_model(workdir, step=step)

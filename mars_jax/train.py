@@ -24,7 +24,9 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from mars_jax import cli, data, distributed, huggingface, sharding, train_step, workdir as wd
+from mars_jax import (
+    cli, data, distributed, huggingface, settings, sharding, train_step, workdir as wd
+)
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import check_config
@@ -113,17 +115,29 @@ def train(cfg, workdir: str) -> dict:
     each feeds its rows of every batch, all take part in each checkpoint save and restore, and
     only process 0 writes the run files, metrics.jsonl and INFO logs.
 
+    Settings are checked first (`settings.check`, then `settings.check_devices`): a bad one
+    raises `settings.SettingError` (a ValueError) or `settings.MissingPath` (a
+    FileNotFoundError) naming the key, before any data is read or anything compiled.
+
     Raises ValueError for a bad config (see `train_step.build_train_step`,
     `objectives.check_config`, `sharding`, `distributed.initialize`) or a resume with another
     config, FileNotFoundError for a missing ``init_from`` or data file, FloatingPointError for a
     non-finite loss.
     """
+    settings.check(cfg, training=True)
     distributed.initialize(cfg.distributed)
     check_config(cfg.objective)
     model_cfg = model_config(cfg)
+    settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
     t = cfg.train
+    if len(examples) < t.batch_size:
+        raise settings.SettingError(
+            "train.batch_size",
+            t.batch_size,
+            f"{len(examples)} examples cannot fill a batch of {t.batch_size}",
+        )
     num_steps = t.num_steps or max(1, int(t.num_epochs * (len(examples) // t.batch_size)))
 
     obj = train_step.objective_settings(cfg, tok.mask_id, examples)

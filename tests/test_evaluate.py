@@ -138,7 +138,7 @@ def test_thresholds_outside_0_1_are_refused_before_loading(thresholds, tmp_path)
 
     cfg = tiny.get_config()
     cfg.eval.thresholds = thresholds
-    with pytest.raises(ValueError, match=r"eval\.thresholds must be a non-empty list"):
+    with pytest.raises(ValueError, match=r"eval\.thresholds"):
         evaluate.evaluate(cfg, str(tmp_path / "no_run"))
     assert evaluate.check_thresholds((1, 0.5)) == [1.0, 0.5]
 
