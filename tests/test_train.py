@@ -203,7 +203,7 @@ def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
 
 # Preemption runs: enough steps that a signal sent once step 1 is logged lands mid-run, no
 # regular save before the end (the only checkpoint before it is the preemption's).
-PREEMPT_STEPS = 40
+PREEMPT_STEPS = 8
 PREEMPT_FLAGS = [f"--config.train.num_steps={PREEMPT_STEPS}", "--config.train.save_every=1000"]
 
 
@@ -240,16 +240,14 @@ def straight_preempt_run(tmp_path_factory):
     return workdir
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_saves_the_step_and_the_rerun_resumes(sig, straight_preempt_run, tmp_path):
-    """A SIGTERM / SIGINT to `python -m mars_jax.train` after its first step: exit 0 with one
-    line naming the saved step and no traceback, a checkpoint of that step (its data position
-    included); the same command then resumes from it and ends with the straight run's
-    parameters, bitwise."""
-    workdir = str(tmp_path / "run")
+def stop_by_signal(workdir, sig) -> int:
+    """Interrupts the train command in ``workdir`` with ``sig`` after its first step and checks
+    the stop: exit 0, no traceback, one line naming the saved step, a checkpoint of that step
+    only (with its data position). Returns the saved step."""
     code, stderr = interrupt_after_first_step(workdir, sig)
     assert code == 0, stderr[-3000:]
     assert "Traceback" not in stderr
+    assert "starting a fresh run" in stderr
     lines = [l for l in stderr.splitlines() if "rerun the same command to resume" in l]
     assert len(lines) == 1, stderr[-3000:]
     steps = os.listdir(os.path.join(workdir, "checkpoints"))
@@ -259,14 +257,26 @@ def test_signal_saves_the_step_and_the_rerun_resumes(sig, straight_preempt_run, 
     assert f"stopped by {sig.name}: saved step {saved} of {PREEMPT_STEPS} in {workdir};" in lines[0]
     with open(os.path.join(workdir, "checkpoints", steps[0], "data", "metadata")) as f:
         assert json.load(f) == {"next_batch": saved}
-    assert "starting a fresh run" in stderr
+    return saved
 
+
+def test_sigterm_saves_the_step_and_the_rerun_resumes(straight_preempt_run, tmp_path):
+    """SIGTERM to `python -m mars_jax.train` after its first step stops it (see
+    `stop_by_signal`); the same command then resumes from the saved step and ends with the
+    straight run's parameters, bitwise."""
+    workdir = str(tmp_path / "run")
+    saved = stop_by_signal(workdir, signal.SIGTERM)
     proc = run_cli("mars_jax.train", *train_cli(workdir)[3:])
     assert f"resuming {workdir} from its checkpoint of step {saved}" in proc.stderr
     a, _, step_a = wd.load_model(workdir)
     b, _, step_b = wd.load_model(straight_preempt_run)
     assert step_a == step_b == PREEMPT_STEPS
     assert_same_params(a, b, atol=0)
+
+
+def test_sigint_saves_the_step(tmp_path):
+    """Ctrl-C (SIGINT) stops the run the same way (resuming is the SIGTERM test's)."""
+    stop_by_signal(str(tmp_path / "run"), signal.SIGINT)
 
 
 def test_stage2_starts_from_stage1(stage1, tmp_path):
