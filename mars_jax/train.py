@@ -257,6 +257,8 @@ class Preemption(contextlib.AbstractContextManager):
 
     def _handle(self, signum, frame) -> None:
         if self.reason is not None:
+            name = signal.Signals(signum).name
+            os.write(2, f"second {name}: exiting without saving\n".encode())
             os._exit(128 + signum)
         self.reason = signal.Signals(signum).name
 
