@@ -9,14 +9,23 @@ From Python: ``train.train(config, workdir)`` with a ``ConfigDict`` (e.g.
 
 A restart with the same workdir resumes from its latest checkpoint (parameters, optimizer state
 and data position). ``init_from`` starts a fresh run from a Hugging Face directory or from the
-latest checkpoint of another run's workdir (stage 2 from stage 1). This module holds the run
+latest checkpoint of another run's workdir (stage 2 from stage 1).
+
+Preemption: SIGTERM (a TPU VM's or a scheduler's notice) or SIGINT (Ctrl-C) stops the run after
+the step in progress: it saves that step (as a regular save), waits for the write, logs which
+step it saved and returns (the program exits 0); the same command resumes it. A second signal
+exits at once. In a multi-process run, SIGTERM goes through JAX's preemption sync service so
+that all processes stop and save at the same step (see `Preemption`). This module holds the run
 loop; the jitted step is `mars_jax.train_step`, the run directory `mars_jax.workdir`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -157,6 +166,7 @@ def train(cfg, workdir: str) -> dict:
 
     start = checkpoints.latest_step()
     if start is None:
+        logging.info("no checkpoint in %s: starting a fresh run", workdir)
         params = initial_params(cfg, model_cfg, abstract)
         opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
         state = wd.TrainState(params, opt_state, data_position=0)
@@ -166,7 +176,7 @@ def train(cfg, workdir: str) -> dict:
     else:
         wd.check_same_run(workdir, run_config)
         state = checkpoints.restore(start, wd.TrainState(abstract, step.abstract_opt_state, 0))
-        logging.info("resumed from %s step %d", workdir, start)
+        logging.info("resuming %s from its checkpoint of step %d", workdir, start)
 
     if start >= num_steps:
         logging.info("%s is already at step %d of %d: nothing to do", workdir, start, num_steps)
@@ -182,6 +192,21 @@ def train(cfg, workdir: str) -> dict:
         )
     metrics = MetricsWriter(workdir, start, num_steps, primary=distributed.is_primary())
     params, opt_state, position = state
+    with Preemption(checkpoints) as preemption:
+        last = _run_steps(
+            cfg, workdir, step, schedule, dataset, checkpoints, metrics, preemption,
+            params, opt_state, position, start, num_steps,
+        )
+    checkpoints.close()
+    metrics.close()
+    return last
+
+
+def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, preemption,
+               params, opt_state, position, start, num_steps) -> dict:
+    """Steps ``start`` .. ``num_steps`` of `train`, saving every ``train.save_every``, at the
+    end, and at a preemption (then returning early); returns the last logged metrics record."""
+    t = cfg.train
     last, t0, tokens, window_start = {}, time.time(), 0, time.time()
     for i in range(start, num_steps):
         batch = distributed.global_batch(dataset[position], step.batch_sharding, t.batch_size)
@@ -201,11 +226,63 @@ def train(cfg, workdir: str) -> dict:
             }
             tokens, window_start = 0, now
             metrics.write(last)
-        if done % t.save_every == 0 or done == num_steps:
+        saved = done % t.save_every == 0 or done == num_steps
+        if saved:
             checkpoints.save(done, wd.TrainState(params, opt_state, position))
-    checkpoints.close()
-    metrics.close()
+        if done < num_steps and preemption.stop(done):
+            if not saved:
+                checkpoints.save(done, wd.TrainState(params, opt_state, position))
+            checkpoints.wait_until_finished()
+            logging.info(
+                "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
+                preemption.reason, done, num_steps, workdir,
+            )
+            break
     return last
+
+
+class Preemption(contextlib.AbstractContextManager):
+    """Stop requests of a training run, checked between steps (`stop`).
+
+    In a single-process run, SIGTERM and SIGINT set a flag (the handler only sets it: the save
+    happens in the loop); a second one exits at once (status 128 + signal number). In a
+    multi-process run every process must stop at the same step, since saving is collective:
+    SIGTERM is left to JAX's preemption notifier and the step is agreed through Orbax's
+    ``reached_preemption`` (JAX's preemption sync service), and SIGINT keeps Python's default
+    (KeyboardInterrupt, no save). Handlers are installed only from the main thread, and the
+    previous ones are restored on exit.
+    """
+
+    def __init__(self, checkpoints: wd.Checkpoints):
+        self._checkpoints = checkpoints
+        self._previous = {}
+        self.reason: str | None = None
+
+    def __enter__(self) -> "Preemption":
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is not None:
+            name = signal.Signals(signum).name
+            os.write(2, f"second {name}: exiting without saving\n".encode())
+            os._exit(128 + signum)
+        self.reason = signal.Signals(signum).name
+
+    def stop(self, done: int) -> bool:
+        """Whether to stop after step ``done`` (same answer on every process)."""
+        if self._checkpoints.reached_preemption(done):
+            self.reason = self.reason or "SIGTERM (preemption notice)"
+        elif jax.process_count() > 1:
+            return False
+        return self.reason is not None
 
 
 @jax.jit

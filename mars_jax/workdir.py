@@ -215,6 +215,13 @@ class Checkpoints:
         )
         return _fill(abstract, restored[_PARAMS]), step
 
+    def reached_preemption(self, step: int) -> bool:
+        """Whether every process of a multi-process run has agreed to stop after ``step``
+        because one of them got SIGTERM (Orbax's check of JAX's preemption sync service, which
+        `jax.distributed.initialize` starts; all processes reach the same answer at the same
+        step). Always False in a single-process run."""
+        return self._manager.reached_preemption(step)
+
     def wait_until_finished(self) -> None:
         """Blocks until every started save is on disk."""
         self._manager.wait_until_finished()

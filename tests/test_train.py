@@ -7,8 +7,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -197,6 +199,84 @@ def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
     b, _, step_b = wd.load_model(straight)
     assert step_a == step_b == 4
     assert_same_params(a, b)
+
+
+# Preemption runs: enough steps that a signal sent once step 1 is logged lands mid-run, no
+# regular save before the end (the only checkpoint before it is the preemption's).
+PREEMPT_STEPS = 8
+PREEMPT_FLAGS = [f"--config.train.num_steps={PREEMPT_STEPS}", "--config.train.save_every=1000"]
+
+
+def train_cli(workdir):
+    return [sys.executable, "-m", "mars_jax.train", "--config=configs/tiny.py",
+            f"--workdir={workdir}", *cli_flags(), *PREEMPT_FLAGS]
+
+
+def interrupt_after_first_step(workdir, sig, timeout=120):
+    """Starts the train command, sends ``sig`` once metrics.jsonl holds a step, waits for it to
+    exit: returns (exit code, stderr)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(train_cli(workdir), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics, deadline = os.path.join(workdir, "metrics.jsonl"), time.time() + timeout
+    try:
+        while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "no step logged"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, stderr
+
+
+@pytest.fixture(scope="module")
+def straight_preempt_run(tmp_path_factory):
+    """The PREEMPT_STEPS-step run straight through (in-process): its workdir."""
+    workdir = str(tmp_path_factory.mktemp("runs") / "straight")
+    train.train(get_config("ar", train__num_steps=PREEMPT_STEPS, train__save_every=1000), workdir)
+    return workdir
+
+
+def stop_by_signal(workdir, sig) -> int:
+    """Interrupts the train command in ``workdir`` with ``sig`` after its first step and checks
+    the stop: exit 0, no traceback, one line naming the saved step, a checkpoint of that step
+    only (with its data position). Returns the saved step."""
+    code, stderr = interrupt_after_first_step(workdir, sig)
+    assert code == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "starting a fresh run" in stderr
+    lines = [l for l in stderr.splitlines() if "rerun the same command to resume" in l]
+    assert len(lines) == 1, stderr[-3000:]
+    steps = os.listdir(os.path.join(workdir, "checkpoints"))
+    assert len(steps) == 1, steps
+    saved = int(steps[0])
+    assert 1 <= saved < PREEMPT_STEPS
+    assert f"stopped by {sig.name}: saved step {saved} of {PREEMPT_STEPS} in {workdir};" in lines[0]
+    with open(os.path.join(workdir, "checkpoints", steps[0], "data", "metadata")) as f:
+        assert json.load(f) == {"next_batch": saved}
+    return saved
+
+
+def test_sigterm_saves_the_step_and_the_rerun_resumes(straight_preempt_run, tmp_path):
+    """SIGTERM to `python -m mars_jax.train` after its first step stops it (see
+    `stop_by_signal`); the same command then resumes from the saved step and ends with the
+    straight run's parameters, bitwise."""
+    workdir = str(tmp_path / "run")
+    saved = stop_by_signal(workdir, signal.SIGTERM)
+    proc = run_cli("mars_jax.train", *train_cli(workdir)[3:])
+    assert f"resuming {workdir} from its checkpoint of step {saved}" in proc.stderr
+    a, _, step_a = wd.load_model(workdir)
+    b, _, step_b = wd.load_model(straight_preempt_run)
+    assert step_a == step_b == PREEMPT_STEPS
+    assert_same_params(a, b, atol=0)
+
+
+def test_sigint_saves_the_step(tmp_path):
+    """Ctrl-C (SIGINT) stops the run the same way (resuming is the SIGTERM test's)."""
+    stop_by_signal(str(tmp_path / "run"), signal.SIGINT)
 
 
 def test_stage2_starts_from_stage1(stage1, tmp_path):
