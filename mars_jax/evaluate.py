@@ -186,24 +186,6 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
     return total / max(count, 1)
 
 
-def check_thresholds(thresholds) -> list[float]:
-    """``thresholds`` (the config's ``eval.thresholds``) as floats. Raises ValueError naming
-    ``eval.thresholds`` when it is empty or holds a value that is not a number in (0, 1]."""
-    try:
-        values = [float(t) for t in thresholds]
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"eval.thresholds must be a list of numbers in (0, 1], got {thresholds!r}"
-        ) from None
-    bad = [t for t in values if not 0.0 < t <= 1.0]  # NaN fails too
-    if not values or bad:
-        raise ValueError(
-            f"eval.thresholds must be a non-empty list of numbers in (0, 1], got {values}"
-            + (f" ({', '.join(map(str, bad))} outside)" if bad else "")
-        )
-    return values
-
-
 def write_report(workdir: str, report: dict) -> str:
     """Writes ``report`` as a new file ``workdir/eval/step_<step>_<UTC time>.json`` (a
     ``_<n>`` suffix where that name is taken; an existing file is never overwritten) and copies
@@ -241,7 +223,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     """
     settings.check(cfg, training=False)
     e = cfg.eval
-    thresholds = check_thresholds(e.thresholds)
+    thresholds = [float(t) for t in e.thresholds]  # checked by settings.check
     model, tok, step = wd.load_model(workdir, step=step)
     source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)

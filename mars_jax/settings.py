@@ -123,9 +123,12 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
         )
     if e.block_size < 0:
         raise SettingError("eval.block_size", e.block_size, "must be >= 0 (0: as trained)")
+    if not len(e.thresholds):
+        raise SettingError("eval.thresholds", tuple(e.thresholds), "must list a threshold")
     for t in e.thresholds:
-        if not 0 < t <= 1:
-            raise SettingError("eval.thresholds", tuple(e.thresholds), f"{t} is outside (0, 1]")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+            # NaN fails the comparison too.
+            raise SettingError("eval.thresholds", tuple(e.thresholds), f"{t!r} is outside (0, 1]")
     for key in ("eval.batch_size", "eval.max_new_tokens"):
         if _get(cfg, key) < 1:
             raise SettingError(key, _get(cfg, key), "must be >= 1")
