@@ -192,3 +192,12 @@ def assert_matches_references(out, refs):
         assert out.accepted[r] == accepted, f"row {r}"
         assert out.row_forwards[r] == forwards, f"row {r}"
     assert out.forwards == max(f for _, _, f in refs)
+
+
+def swap_head_columns(model, a, b):
+    """A copy of ``model`` whose LM head predicts ``b`` wherever it predicted ``a`` (and back)."""
+    graphdef, state = nnx.split(model)
+    swapped = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    w = swapped.lm_head.kernel[...]
+    swapped.lm_head.kernel[...] = w.at[:, [a, b]].set(w[:, [b, a]])
+    return swapped

@@ -2,7 +2,6 @@
 references of `decode_oracles`: one-token mode is greedy AR, threshold decoding follows the
 acceptance rule, batch invariance, EOS, budget, sampling and argument checks."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,8 +14,8 @@ from decode_oracles import (
     make_model,
     reference_ar,
     reference_mars,
+    swap_head_columns,
 )
-from flax import nnx
 from mars_jax import decode
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 
@@ -222,15 +221,6 @@ def test_per_row_seeds(mid):
 # EOS, budget, sampling, argument checks.
 
 
-def _swap_head_columns(model, a, b):
-    """A copy of ``model`` whose LM head predicts ``b`` wherever it predicted ``a`` (and back)."""
-    graphdef, state = nnx.split(model)
-    swapped = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
-    w = swapped.lm_head.kernel[...]
-    swapped.lm_head.kernel[...] = w.at[:, [a, b]].set(w[:, [b, a]])
-    return swapped
-
-
 def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
     ids, lengths, prompts = make_batch([5, 2, 11, 7], seed=2)
     fwd = Uncached(mid, ids.shape[1] + MAX_NEW + 4)
@@ -250,7 +240,7 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
     row, token, cut, original = pick
 
     # The model now emits <|im_end|> exactly where it emitted `token`.
-    model = _swap_head_columns(mid, token, IM_END_ID)
+    model = swap_head_columns(mid, token, IM_END_ID)
     out = decode.generate(model, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
     assert out.lengths[row] == cut
     np.testing.assert_array_equal(out.tokens[row, :cut], original[:cut])

@@ -13,21 +13,9 @@ from flax import nnx
 
 from benchmarks import decode_speed as ds
 from mars_jax import decode
+from decode_oracles import CFG
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID
-
-CFG = ModelConfig(
-    vocab_size=151680,  # covers the special ids 151643..151665
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,  # a tied head mostly predicts the input token back
-)
-
 
 def make_model(scale: float = 300.0, **overrides) -> Qwen2:
     model = Qwen2(ModelConfig(**{**CFG.__dict__, **overrides}), rngs=nnx.Rngs(0))

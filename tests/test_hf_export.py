@@ -20,6 +20,7 @@ from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import hf_logits, save_hf
+from decode_oracles import swap_head_columns
 from mars_jax import decode, export, huggingface, sharding
 from mars_jax import workdir as wd
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID, MASK_TOKEN, load_tokenizer
@@ -37,15 +38,6 @@ def qwen_vocab(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen_vocab")
     hf = save_hf(path, seed=7, **QWEN_VOCAB)
     return huggingface.load_hf(str(path)), hf
-
-
-def _swap_head_columns(model, a, b):
-    """A copy of ``model`` whose LM head predicts ``b`` wherever it predicted ``a`` (and back)."""
-    graphdef, state = nnx.split(model)
-    swapped = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
-    w = swapped.lm_head.kernel[...]
-    swapped.lm_head.kernel[...] = w.at[:, [a, b]].set(w[:, [b, a]])
-    return swapped
 
 
 def _ar(model, prompt):
@@ -66,7 +58,7 @@ def test_generate_on_the_export_stops_where_our_decoder_stops(qwen_vocab, tmp_pa
     # token predicted there (which occurs nowhere before it) trades places with 151643's, so
     # every earlier prediction is unchanged.
     k = next(i for i in range(4, BUDGET) if plain[i] not in plain[:i] + prompt)
-    stopped = _swap_head_columns(model, plain[k], ENDOFTEXT_ID)
+    stopped = swap_head_columns(model, plain[k], ENDOFTEXT_ID)
     ours, length = _ar(stopped, prompt)
     assert (ours, length) == (plain[:k], k)
     out = tmp_path / "export"
@@ -80,7 +72,7 @@ def test_generate_on_the_export_stops_where_our_decoder_stops(qwen_vocab, tmp_pa
     # transformers keeps the stop token it emitted; ours cuts before it.
     assert ids == prompt + ours + [ENDOFTEXT_ID]
     # At <|im_end|> too (transformers' default from config.json alone).
-    stopped = _swap_head_columns(model, plain[k], IM_END_ID)
+    stopped = swap_head_columns(model, plain[k], IM_END_ID)
     ours, length = _ar(stopped, prompt)
     assert length == k
     huggingface.export_hf(stopped, str(tmp_path / "im_end"))
