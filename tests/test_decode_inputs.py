@@ -7,7 +7,7 @@ import pytest
 from decode_oracles import MAX_NEW, Uncached, make_batch, make_model, reference_mars
 from mars_jax import decode
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
-from test_decode import _swap_head_columns
+from decode_oracles import swap_head_columns
 
 KW = dict(block_size=4, threshold=0.9)
 
@@ -58,7 +58,7 @@ def test_batch_of_64_early_eos_and_special_tokens_in_prompts(mid):
     # The model now emits <|im_end|> where it emitted row 0's first token: row 0 ends at once.
     first = ref[0][0]
     assert first not in ref[1] and IM_END_ID not in ref[1] and ENDOFTEXT_ID not in ref[1]
-    model = _swap_head_columns(mid, first, IM_END_ID)
+    model = swap_head_columns(mid, first, IM_END_ID)
     assert len(ref[1]) == MAX_NEW  # row 1 runs to the budget
 
     out = decode.generate(model, ids, lengths, max_new_tokens=MAX_NEW, **KW)
