@@ -10,7 +10,8 @@ Logits are right-shifted in both halves (the output at t-1 predicts token t), an
 
 each CE normalized per sequence and then over the batch ("sequence", the reference default) or
 over all labelled tokens of the batch ("token"). ``ar_weight = 0`` is the paper's "no SFT loss"
-ablation. Logits are computed only at the (at most ``max_label_tokens``) labelled positions of
+ablation; the reference's trainer for it also weights each sequence's noisy CE by 1 / (t + 1e-6),
+t ~ U(1e-3, 1) drawn per sequence (``noisy_weighting="inverse_t"``, see `noisy_row_weights`). Logits are computed only at the (at most ``max_label_tokens``) labelled positions of
 each row, which is where all the loss is, and with ``ce_chunk_size`` a chunk of positions at a
 time, so the logits over the vocabulary are never materialised for a whole micro-batch.
 """
@@ -27,6 +28,10 @@ from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import Qwen2, causal_mask
 
 NORMALIZATIONS = ("sequence", "token")
+# How each sequence's noisy CE is weighted: "none", or "inverse_t" (the reference's no-SFT trainer).
+NOISY_WEIGHTINGS = ("none", "inverse_t")
+# The batch key holding the per-row weights of "inverse_t" (float32 [R]; see `noisy_row_weights`).
+NOISY_WEIGHT = "noisy_weight"
 
 
 def mars_attention_mask(length: int, block_size: int) -> np.ndarray:
@@ -76,6 +81,14 @@ def loss_denominator(labels: jax.Array, normalization: str) -> jax.Array:
     return per_row.sum() if normalization == "token" else (per_row > 0).sum()
 
 
+def noisy_row_weights(key: jax.Array, rows: int) -> jax.Array:
+    """The "inverse_t" weights of ``rows`` sequences: 1 / (t + 1e-6) with t ~ U(1e-3, 1) drawn
+    independently per sequence from ``key`` (the weighting of the reference's no-SFT trainer).
+    fp32 [rows], in (0.99, 1000)."""
+    t = jax.random.uniform(key, (rows,), jnp.float32, minval=1e-3, maxval=1.0)
+    return 1.0 / (t + 1e-6)
+
+
 def token_nll(model: Qwen2, h: jax.Array, targets: jax.Array, chunk_size: int = 0) -> jax.Array:
     """-log p(target) under ``model.logits(h)``: fp32 [R, M] for hidden states h [R, M, D] and
     targets int32 [R, M].
@@ -104,16 +117,19 @@ def token_nll(model: Qwen2, h: jax.Array, targets: jax.Array, chunk_size: int = 
 
 def cross_entropy(
     model: Qwen2, hidden: jax.Array, positions, targets, valid, normalization: str,
-    chunk_size: int = 0,
+    chunk_size: int = 0, row_weights: jax.Array | None = None,
 ):
     """Mean CE of ``targets`` given hidden states [R, T, D] gathered at ``positions`` [R, M].
 
     ``normalization``: "sequence" (mean over each row's tokens, then over rows that have any) or
-    "token" (mean over all valid tokens). ``chunk_size``: see `token_nll`. Returns an fp32
-    scalar.
+    "token" (mean over all valid tokens). ``chunk_size``: see `token_nll`. ``row_weights``
+    (fp32 [R], optional) multiply each row's token losses; the denominators stay unweighted.
+    Returns an fp32 scalar.
     """
     h = jnp.take_along_axis(hidden, positions[..., None], axis=1)
     nll = jnp.where(valid, token_nll(model, h, targets, chunk_size), 0.0)
+    if row_weights is not None:
+        nll = nll * row_weights[:, None]
     counts = valid.sum(axis=1)
     if normalization == "token":
         return nll.sum() / jnp.maximum(counts.sum(), 1)
@@ -140,9 +156,14 @@ def ar_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
 
 def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
     """MARS loss CE(noisy) + ar_weight * CE(clean) (Sec. 3); ``cfg`` has block_size, ar_weight,
-    normalization, max_label_tokens, ce_chunk_size and mask_id. L must be a multiple of block_size.
+    normalization, max_label_tokens, ce_chunk_size, mask_id and (optional, default "none")
+    noisy_weighting. L must be a multiple of block_size.
+
+    With ``noisy_weighting="inverse_t"`` the batch also holds ``batch[NOISY_WEIGHT]`` (fp32 [R],
+    from `noisy_row_weights`) and each row's noisy CE is multiplied by its weight.
 
     Returns (loss, metrics) with metrics {loss, noisy_loss, clean_loss, label_tokens}.
+    Raises ValueError when L is not a multiple of block_size or the weights are missing.
     """
     ids, labels = batch["input_ids"], batch["labels"]
     length = ids.shape[1]
@@ -153,8 +174,15 @@ def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
     ids2, positions2 = mars_inputs(ids, labels, cfg.mask_id)
     hidden, _ = model(ids2, positions2, mars_attention_mask(length, cfg.block_size))
     pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
-    ce = lambda h: cross_entropy(model, h, pos, tgt, valid, cfg.normalization, cfg.ce_chunk_size)
-    noisy, clean = ce(hidden[:, :length]), ce(hidden[:, length:])
+    weights = None
+    if cfg.noisy_weighting == "inverse_t":
+        if NOISY_WEIGHT not in batch:
+            raise ValueError(f'noisy_weighting "inverse_t" needs batch["{NOISY_WEIGHT}"]')
+        weights = batch[NOISY_WEIGHT]
+    ce = lambda h, w=None: cross_entropy(
+        model, h, pos, tgt, valid, cfg.normalization, cfg.ce_chunk_size, w
+    )
+    noisy, clean = ce(hidden[:, :length], weights), ce(hidden[:, length:])
     loss = noisy + cfg.ar_weight * clean
     return loss, {
         "loss": loss,
@@ -168,13 +196,21 @@ OBJECTIVES = {"ar": ar_loss, "mars": mars_loss}
 
 
 def check_config(cfg: Any) -> None:
-    """Raises ValueError for an unknown ``cfg.name`` or ``cfg.normalization``."""
+    """Raises ValueError for an unknown ``cfg.name``, ``cfg.normalization`` or
+    ``cfg.noisy_weighting``, or "inverse_t" with the ar objective."""
     if cfg.name not in OBJECTIVES:
         raise ValueError(f"objective.name must be one of {sorted(OBJECTIVES)}, got {cfg.name!r}")
     if cfg.normalization not in NORMALIZATIONS:
         raise ValueError(
             f"objective.normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}"
         )
+    weighting = cfg.noisy_weighting
+    if weighting not in NOISY_WEIGHTINGS:
+        raise ValueError(
+            f"objective.noisy_weighting must be one of {NOISY_WEIGHTINGS}, got {weighting!r}"
+        )
+    if weighting != "none" and cfg.name != "mars":
+        raise ValueError(f"objective.noisy_weighting={weighting!r} needs objective.name='mars'")
 
 
 def loss_fn(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):

@@ -21,11 +21,13 @@ from mars_jax import huggingface
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import causal_mask
 from mars_jax.objectives import (
+    NOISY_WEIGHT,
     ar_loss,
     loss_fn,
     mars_attention_mask,
     mars_inputs,
     mars_loss,
+    noisy_row_weights,
     target_positions,
 )
 
@@ -34,10 +36,11 @@ MASK_ID, EOS_ID, PAD_ID = V - 1, V - 2, V - 3
 
 
 def obj_cfg(name="mars", block_size=4, ar_weight=1.0, normalization="sequence", max_label_tokens=None,
-            ce_chunk_size=0):
+            ce_chunk_size=0, noisy_weighting="none"):
     return SimpleNamespace(name=name, block_size=block_size, ar_weight=ar_weight,
                            normalization=normalization, max_label_tokens=max_label_tokens,
-                           mask_id=MASK_ID, ce_chunk_size=ce_chunk_size)
+                           mask_id=MASK_ID, ce_chunk_size=ce_chunk_size,
+                           noisy_weighting=noisy_weighting)
 
 
 def make_batch(seed, block, shapes, length=None):
@@ -106,8 +109,9 @@ def mars_hidden(model, batch, block):
     return hidden[:, :length], hidden[:, length:]
 
 
-def reference_ce(model, hidden, labels, normalization, xp=np):
-    """Right-shifted CE over labelled tokens from full logits: output t predicts labels[t+1]."""
+def reference_ce(model, hidden, labels, normalization, xp=np, row_weights=None):
+    """Right-shifted CE over labelled tokens from full logits: output t predicts labels[t+1];
+    ``row_weights`` [R] scale each row's token losses (not the counts)."""
     logits = model.logits(hidden)[:, :-1]
     targets = labels[:, 1:]
     if xp is np:
@@ -117,6 +121,8 @@ def reference_ce(model, hidden, labels, normalization, xp=np):
     logp = logits - top - xp.log(xp.exp(logits - top).sum(-1, keepdims=True))
     nll = -xp.take_along_axis(logp, xp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
     nll = xp.where(valid, nll, 0.0)
+    if row_weights is not None:
+        nll = nll * xp.asarray(row_weights)[:, None]
     if normalization == "token":
         return nll.sum() / valid.sum()
     counts = valid.sum(1)
@@ -197,6 +203,29 @@ def test_mars_loss_decomposition(loss_setup, ar_weight, normalization):
     np.testing.assert_allclose(float(loss), noisy + ar_weight * clean, rtol=0, atol=1e-5)
     assert float(metrics["loss"]) == float(loss)
     assert int(metrics["label_tokens"]) == int((np.asarray(labels)[:, 1:] != IGNORE_INDEX).sum())
+
+
+@pytest.mark.parametrize("normalization", ["sequence", "token"])
+def test_inverse_t_weighting_scales_each_rows_noisy_ce(loss_setup, normalization):
+    """The no-SFT trainer's weighting: row r's noisy CE times 1 / (t_r + 1e-6); the clean CE
+    is untouched; t ~ U(1e-3, 1) per row."""
+    model, batch, block, noisy_h, clean_h = loss_setup
+    labels = batch["labels"]
+    rows = labels.shape[0]
+    weights = noisy_row_weights(jax.random.key(3), rows)
+    t = 1.0 / np.asarray(weights, np.float64) - 1e-6
+    assert np.all((t >= 1e-3 - 1e-6) & (t <= 1.0 + 1e-6)) and len(set(t.round(6))) == rows
+    cfg = obj_cfg(block_size=block, ar_weight=0.0, normalization=normalization,
+                  noisy_weighting="inverse_t")
+    loss, metrics = mars_loss(model, {**batch, NOISY_WEIGHT: weights}, cfg)
+    expected = reference_ce(model, noisy_h, labels, normalization, row_weights=weights)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    unweighted = reference_ce(model, noisy_h, labels, normalization)
+    assert abs(expected - unweighted) > 1e-2  # the weights matter on this batch
+    np.testing.assert_allclose(float(metrics["clean_loss"]),
+                               reference_ce(model, clean_h, labels, normalization), atol=1e-5)
+    with pytest.raises(ValueError, match=NOISY_WEIGHT):
+        mars_loss(model, batch, cfg)
 
 
 def test_normalizations_differ_as_documented(loss_setup):
@@ -305,6 +334,10 @@ def test_objective_errors(models):
         loss_fn(model, batch, obj_cfg(name="diffusion"))
     with pytest.raises(ValueError, match="normalization"):
         ar_loss(model, batch, obj_cfg(name="ar", normalization="batch"))
+    with pytest.raises(ValueError, match="noisy_weighting must be one of"):
+        loss_fn(model, batch, obj_cfg(noisy_weighting="inverse"))
+    with pytest.raises(ValueError, match="needs objective.name='mars'"):
+        loss_fn(model, batch, obj_cfg(name="ar", noisy_weighting="inverse_t"))
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 8])
