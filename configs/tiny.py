@@ -47,6 +47,9 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "name": stage,  # ar (stage 1) | mars (stage 2)
             "block_size": 4,
             "ar_weight": 1.0,
+            # none | inverse_t: each sequence's noisy CE times 1 / (t + 1e-6), t ~ U(1e-3, 1)
+            # (the reference's trainer for the "w/o SFT loss" ablation, with ar_weight 0).
+            "noisy_weighting": "none",
             "normalization": "sequence",  # sequence | token
             "max_label_tokens": 0,  # 0: the most labelled tokens of any example
             # Cross-entropy over this many positions at a time (0: all at once); bounds the

@@ -1,0 +1,202 @@
+r"""The paper's three claims (arXiv 2604.07023, Sec. 5) side by side, at a scale one machine runs.
+
+  python -m experiments.claims --config=experiments/claims_config.py:synthetic \
+      --workdir=experiments/runs/synthetic
+
+One stage-1 (AR SFT) run, then from its final checkpoint:
+
+  ar_control          AR SFT continued for the stage-2 steps (the epoch-matched control)
+  mars_b<B>_ar<w>     MARS with block size B and ar_weight w, for every B x w of the config;
+                      w = 0 uses the reference's no-SFT weighting (``noisy_weighting=inverse_t``)
+  ..._seed<s>         the first MARS run again with another seed (data order), to show the noise
+
+Each run has its own directory under ``--workdir`` and is resumable: a rerun of the same command
+skips finished training (`mars_jax.train` resumes or returns) and finished evaluations (a run's
+``eval.json`` of its final step with the configured thresholds). The tables (markdown), the
+reports (JSON, with the device and the measured times) and the Pareto plot (PNG: tokens per
+forward vs accuracy, one line per run) go to ``--results`` as ``<name>.md/.json/.png``.
+
+Claims: (a) one-token mode: MARS at threshold 1.0 vs the AR control, accuracy and held-out AR
+NLL; (b) the speed/quality curve over thresholds: tokens per forward, accuracy, agreement with
+threshold 1.0; (c) block size x the AR term.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from mars_jax import cli, evaluate, plots, train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (claims_config.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the runs.", required=True)
+_RESULTS = flags.DEFINE_string("results", "experiments/results", "Where tables and plots go.")
+
+
+def run_configs(exp) -> dict:
+    """The run ConfigDicts of experiment ``exp``, by run name, in the order they run.
+
+    Stage 1 comes first; every other run starts from its final checkpoint (``init_from`` is
+    filled in by `run_all`). AR runs train with block_size 1 and are evaluated with one-token
+    (AR) decoding only.
+    """
+    def make(objective, steps, *, block_size=1, ar_weight=1.0, seed=None, thresholds=(1.0,)):
+        cfg = exp.run.copy_and_resolve_references()
+        cfg.objective.name = objective
+        cfg.objective.block_size = block_size
+        cfg.objective.ar_weight = ar_weight
+        cfg.objective.noisy_weighting = "inverse_t" if objective == "mars" and not ar_weight else "none"
+        cfg.train.num_steps = steps
+        cfg.seed = exp.run.seed if seed is None else seed
+        cfg.eval.thresholds = tuple(thresholds)
+        cfg.eval.block_size = 0  # as trained
+        return cfg
+
+    runs = {
+        "stage1": make("ar", exp.stage1_steps),
+        "ar_control": make("ar", exp.stage2_steps),
+    }
+    for b in exp.block_sizes:
+        for w in exp.ar_weights:
+            runs[f"mars_b{b}_ar{w:g}"] = make(
+                "mars", exp.stage2_steps, block_size=b, ar_weight=w, thresholds=exp.thresholds
+            )
+    first = f"mars_b{exp.block_sizes[0]}_ar{exp.ar_weights[0]:g}"
+    for seed in exp.extra_seeds:
+        runs[f"{first}_seed{seed}"] = make(
+            "mars", exp.stage2_steps, block_size=exp.block_sizes[0], ar_weight=exp.ar_weights[0],
+            seed=seed, thresholds=exp.thresholds,
+        )
+    return runs
+
+
+def _finished_eval(workdir: str, cfg) -> dict | None:
+    """The run's eval.json if it evaluates the final step at the configured thresholds."""
+    path = os.path.join(workdir, "eval.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        report = json.load(f)
+    done = report["step"] == cfg.train.num_steps
+    same = [r["threshold"] for r in report["results"]] == [float(t) for t in cfg.eval.thresholds]
+    return report if done and same else None
+
+
+def run_all(exp, root: str) -> dict:
+    """Trains and evaluates every run of `run_configs` under ``root`` (skipping finished work);
+    returns {name: {"report": evaluation report, "train_s": s, "eval_s": s}} with the seconds
+    this invocation spent (0 for skipped work)."""
+    out = {}
+    for name, cfg in run_configs(exp).items():
+        workdir = os.path.join(root, name)
+        if name != "stage1":
+            cfg.init_from = os.path.join(root, "stage1")
+        start = time.perf_counter()
+        logging.info("claims: training %s", name)
+        train.train(cfg, workdir)
+        trained = time.perf_counter()
+        report = _finished_eval(workdir, cfg)
+        if report is None:
+            logging.info("claims: evaluating %s", name)
+            report = evaluate.evaluate(cfg, workdir)
+        out[name] = {
+            "report": report,
+            "train_s": trained - start,
+            "eval_s": time.perf_counter() - trained,
+        }
+    return out
+
+
+def _at(report: dict, threshold: float) -> dict | None:
+    return next((r for r in report["results"] if r["threshold"] == threshold), None)
+
+
+def tables(exp, runs: dict) -> str:
+    """The three claims as markdown tables."""
+    one = lambda name: _at(runs[name]["report"], 1.0)
+    lines = [
+        "**(a) One-token mode** (threshold 1.0: one token per forward)",
+        "",
+        "| run | steps | accuracy | held-out AR NLL (nats/token) |",
+        "|---|---|---|---|",
+    ]
+    for name in ["stage1", "ar_control"] + [n for n in runs if n.startswith("mars")]:
+        r = runs[name]["report"]
+        lines.append(f"| {name} | {r['step']} | {one(name)['accuracy']:.3f} | {r['ar_nll']:.4f} |")
+    lines += [
+        "",
+        "**(b) Speed and quality over thresholds** (tokens per forward / accuracy / agreement "
+        "with threshold 1.0)",
+        "",
+        "| run | " + " | ".join(f"{t:g}" for t in exp.thresholds) + " |",
+        "|---|" + "---|" * len(exp.thresholds),
+    ]
+    for name in (n for n in runs if n.startswith("mars")):
+        cells = []
+        for t in exp.thresholds:
+            r = _at(runs[name]["report"], float(t))
+            cells.append(
+                f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f} / {r['agreement_with_ar']:.2f}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    t = exp.headline_threshold
+    lines += [
+        "",
+        f"**(c) Block size x AR term** at threshold {t:g} (tokens per forward / accuracy)",
+        "",
+        "| block size | " + " | ".join(f"ar_weight {w:g}" for w in exp.ar_weights) + " |",
+        "|---|" + "---|" * len(exp.ar_weights),
+    ]
+    for b in exp.block_sizes:
+        cells = []
+        for w in exp.ar_weights:
+            r = _at(runs[f"mars_b{b}_ar{w:g}"]["report"], float(t))
+            cells.append(f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f}")
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(exp, runs: dict, results_dir: str, seconds: float) -> str:
+    """Writes ``<name>.md`` (tables, device, times), ``<name>.json`` and ``<name>.png`` (Pareto
+    plot of the MARS runs) into ``results_dir``; returns the markdown."""
+    os.makedirs(results_dir, exist_ok=True)
+    device = f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind}) x {jax.device_count()}"
+    train_s = sum(r["train_s"] for r in runs.values())
+    eval_s = sum(r["eval_s"] for r in runs.values())
+    text = (
+        f"### {exp.name}: {exp.description}\n\n"
+        f"Device: {device}. This invocation: {seconds / 60:.1f} min ({train_s / 60:.1f} training, "
+        f"{eval_s / 60:.1f} evaluating; work already done by an earlier invocation counts 0).\n\n"
+        + tables(exp, runs)
+        + "\n"
+    )
+    base = os.path.join(results_dir, exp.name)
+    with open(base + ".md", "w") as f:
+        f.write(text)
+    with open(base + ".json", "w") as f:
+        json.dump({"device": device, "seconds": seconds, "runs": runs}, f, indent=2)
+    plots.pareto_plot(
+        {n: r["report"]["results"] for n, r in runs.items() if n.startswith("mars")},
+        base + ".png",
+        title=f"{exp.name}: tokens per forward vs accuracy",
+    )
+    return text
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.quiet_library_logs()
+    start = time.perf_counter()
+    exp = _CONFIG.value
+    runs = run_all(exp, _WORKDIR.value)
+    print(write_results(exp, runs, _RESULTS.value, time.perf_counter() - start))
+
+
+if __name__ == "__main__":
+    app.run(main)
