@@ -81,12 +81,14 @@ def loss_denominator(labels: jax.Array, normalization: str) -> jax.Array:
     return per_row.sum() if normalization == "token" else (per_row > 0).sum()
 
 
-def noisy_row_weights(key: jax.Array, rows: int) -> jax.Array:
-    """The "inverse_t" weights of ``rows`` sequences: 1 / (t + 1e-6) with t ~ U(1e-3, 1) drawn
-    independently per sequence from ``key`` (the weighting of the reference's no-SFT trainer).
-    fp32 [rows], in (0.99, 1000)."""
-    t = jax.random.uniform(key, (rows,), jnp.float32, minval=1e-3, maxval=1.0)
-    return 1.0 / (t + 1e-6)
+def noisy_row_weights(seed: int, batch_index: int, batch_size: int) -> np.ndarray:
+    """The "inverse_t" weights of the rows of training batch ``batch_index``: 1 / (t + 1e-6)
+    with t ~ U(1e-3, 1) drawn independently per row (the weighting of the reference's no-SFT
+    trainer). Drawn on the host from (``seed``, ``batch_index``) alone, so a resumed run and any
+    split of the rows over processes see the same weights. fp32 [batch_size], in (0.99, 1000).
+    """
+    t = np.random.default_rng([seed, batch_index]).uniform(1e-3, 1.0, batch_size)
+    return (1.0 / (t + 1e-6)).astype(np.float32)
 
 
 def token_nll(model: Qwen2, h: jax.Array, targets: jax.Array, chunk_size: int = 0) -> jax.Array:

@@ -212,7 +212,8 @@ def test_inverse_t_weighting_scales_each_rows_noisy_ce(loss_setup, normalization
     model, batch, block, noisy_h, clean_h = loss_setup
     labels = batch["labels"]
     rows = labels.shape[0]
-    weights = noisy_row_weights(jax.random.key(3), rows)
+    weights = noisy_row_weights(3, 7, rows)
+    assert not np.array_equal(weights, noisy_row_weights(3, 8, rows))  # fresh t every batch
     t = 1.0 / np.asarray(weights, np.float64) - 1e-6
     assert np.all((t >= 1e-3 - 1e-6) & (t <= 1.0 + 1e-6)) and len(set(t.round(6))) == rows
     cfg = obj_cfg(block_size=block, ar_weight=0.0, normalization=normalization,
