@@ -193,9 +193,9 @@ def _checkpoint_files(path: str) -> list[str]:
     pickled = sorted(f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES))
     if pickled:
         raise FileNotFoundError(
-            f"{path}: no model.safetensors; {', '.join(pickled)} is a pickle-based checkpoint, "
-            "which is not loaded because unpickling can run arbitrary code. If you trust it, "
-            "convert it to safetensors once with transformers: python -c \"import transformers "
+            f"{path}: no model.safetensors, only pickle-based weights ({', '.join(pickled)}), "
+            "which are not loaded: unpickling can run arbitrary code. If you trust them, "
+            "convert them to safetensors once with transformers: python -c \"import transformers "
             f"as t; d = {path!r}; t.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)\""
         )
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
