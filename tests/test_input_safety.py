@@ -10,7 +10,6 @@ import json
 import pickle
 import re
 import runpy
-import shutil
 import subprocess
 import sys
 from pathlib import Path
