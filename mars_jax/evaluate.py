@@ -14,8 +14,8 @@ with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``
 also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per evaluation, so that
 earlier evaluations, at other thresholds or steps, are kept) and copied to
 ``workdir/eval.json`` (the latest evaluation), each with the Pareto plot of its thresholds
-beside it (``.png``: accuracy against tokens per forward); see `write_report`. ``eval.thresholds`` must each
-lie in (0, 1]; they are checked before anything is loaded.
+beside it (``.png``: accuracy against tokens per forward); see `write_report`.
+``eval.thresholds`` must each lie in (0, 1]; they are checked before anything is loaded.
 
 From Python: ``evaluate.evaluate(config, workdir)`` with the run's ``ConfigDict``.
 """
@@ -226,12 +226,13 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     the latest) of ``workdir``, with the ``data`` and ``eval`` sections of run config ``cfg``.
 
     Prints the table, writes it (`write_report`: a new ``workdir/eval/step_*.json`` and
-    ``workdir/eval.json``, each with its Pareto plot ``.png``) and returns the report: {workdir, step,
-    num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold, accuracy,
-    tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
-    workdir without checkpoints, ValueError when the evaluation source yields no examples;
-    first `settings.SettingError` / `settings.MissingPath` for a bad setting (`settings.check`,
-    eval.thresholds outside (0, 1] among them), before anything is loaded.
+    ``workdir/eval.json``, each with its Pareto plot ``.png``) and returns the report:
+    {workdir, step, num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold,
+    accuracy, tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}.
+    Raises FileNotFoundError for a workdir without checkpoints, ValueError when the evaluation
+    source yields no examples; first `settings.SettingError` / `settings.MissingPath` for a bad
+    setting (`settings.check`, eval.thresholds outside (0, 1] among them), before anything is
+    loaded.
     """
     settings.check(cfg, training=False)
     e = cfg.eval
