@@ -214,7 +214,7 @@ def write_report(workdir: str, report: dict) -> str:
     plots.pareto_plot(
         {report["workdir"]: report["results"]},
         plot,
-        title=f"{report['workdir']} step {report['step']}: {report['num_examples']} examples, "
+        title=f"{report['workdir']} step {report['step']}\n{report['num_examples']} examples, "
         f"block size {report['block_size']}, {report['cache_mode']} cache, {report['rule']} rule",
     )
     shutil.copyfile(plot, os.path.join(workdir, "eval.png"))

@@ -62,6 +62,18 @@ def test_one_line_per_run_through_its_thresholds(tmp_path):
     assert len(labels) == 7
 
 
+def test_coinciding_points_share_one_label(tmp_path):
+    records = report(1, [1.0, 0.95, 0.9], seed=5)["results"]
+    records[1].update(accuracy=records[0]["accuracy"], tokens_per_forward=1.0)
+    records[0]["tokens_per_forward"] = 1.0
+    fig = plots.pareto_plot({"run": records}, str(tmp_path / "p.png"))
+    r = records[2]
+    assert sorted((t.xy, t.get_text()) for t in fig.axes[0].texts) == sorted([
+        ((1.0, records[0]["accuracy"]), "1, 0.95"),
+        ((r["tokens_per_forward"], r["accuracy"]), "0.9"),
+    ])
+
+
 def test_nothing_to_plot_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"nothing to plot in .*p\.png"):
         plots.pareto_plot({"a": report(1, [1.0], 0)["results"], "b": []}, str(tmp_path / "p.png"))
@@ -84,4 +96,4 @@ def test_write_report_puts_the_plot_beside_each_json(tmp_path, monkeypatch):
     assert list(zip(ax.lines[0].get_xdata(), ax.lines[0].get_ydata())) == [
         (x, y) for x, y, _ in expected
     ]
-    assert ax.get_title().startswith("runs/x step 7: 8 examples, block size 4")
+    assert ax.get_title().startswith("runs/x step 7\n8 examples, block size 4")
