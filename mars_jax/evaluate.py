@@ -13,8 +13,9 @@ Sec. 5 reports accuracy and tokens per forward). With ``eval.temperature`` > 0, 
 with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``. Everything is
 also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per evaluation, so that
 earlier evaluations, at other thresholds or steps, are kept) and copied to
-``workdir/eval.json`` (the latest evaluation); see `write_report`. ``eval.thresholds`` must each
-lie in (0, 1]; they are checked before anything is loaded.
+``workdir/eval.json`` (the latest evaluation), each with the Pareto plot of its thresholds
+beside it (``.png``: accuracy against tokens per forward); see `write_report`.
+``eval.thresholds`` must each lie in (0, 1]; they are checked before anything is loaded.
 
 From Python: ``evaluate.evaluate(config, workdir)`` with the run's ``ConfigDict``.
 """
@@ -26,6 +27,7 @@ import fractions
 import json
 import os
 import re
+import shutil
 import time
 import types
 
@@ -33,7 +35,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, data, decode, settings, workdir as wd
+from mars_jax import cli, data, decode, plots, settings, workdir as wd
 from mars_jax.objectives import ar_loss
 
 # An unsigned number: digits with comma thousands separators in groups of exactly three
@@ -189,7 +191,9 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
 def write_report(workdir: str, report: dict) -> str:
     """Writes ``report`` as a new file ``workdir/eval/step_<step>_<UTC time>.json`` (a
     ``_<n>`` suffix where that name is taken; an existing file is never overwritten) and copies
-    it to ``workdir/eval.json``, the latest evaluation. Returns the new file's path."""
+    it to ``workdir/eval.json``, the latest evaluation. Beside each, the same name with ".png"
+    holds the Pareto plot of the report's thresholds (`plots.pareto_plot`: accuracy against
+    tokens per forward). Returns the new JSON file's path."""
     directory = os.path.join(workdir, "eval")
     os.makedirs(directory, exist_ok=True)
     stem = f"step_{report['step']}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
@@ -206,6 +210,14 @@ def write_report(workdir: str, report: dict) -> str:
         raise FileExistsError(f"{directory}: too many evaluations named {stem}_*.json")
     with open(os.path.join(workdir, "eval.json"), "w") as f:
         f.write(text)
+    plot = os.path.splitext(path)[0] + ".png"
+    plots.pareto_plot(
+        {report["workdir"]: report["results"]},
+        plot,
+        title=f"{report['workdir']} step {report['step']}\n{report['num_examples']} examples, "
+        f"block size {report['block_size']}, {report['cache_mode']} cache, {report['rule']} rule",
+    )
+    shutil.copyfile(plot, os.path.join(workdir, "eval.png"))
     return path
 
 
@@ -214,12 +226,13 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     the latest) of ``workdir``, with the ``data`` and ``eval`` sections of run config ``cfg``.
 
     Prints the table, writes it (`write_report`: a new ``workdir/eval/step_*.json`` and
-    ``workdir/eval.json``) and returns the report: {workdir, step,
-    num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold, accuracy,
-    tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}. Raises FileNotFoundError for a
-    workdir without checkpoints, ValueError when the evaluation source yields no examples;
-    first `settings.SettingError` / `settings.MissingPath` for a bad setting (`settings.check`,
-    eval.thresholds outside (0, 1] among them), before anything is loaded.
+    ``workdir/eval.json``, each with its Pareto plot ``.png``) and returns the report:
+    {workdir, step, num_examples, block_size, cache_mode, rule, ar_nll, results: [{threshold,
+    accuracy, tokens_per_forward, tokens_per_s, mean_length, agreement_with_ar, examples}]}.
+    Raises FileNotFoundError for a workdir without checkpoints, ValueError when the evaluation
+    source yields no examples; first `settings.SettingError` / `settings.MissingPath` for a bad
+    setting (`settings.check`, eval.thresholds outside (0, 1] among them), before anything is
+    loaded.
     """
     settings.check(cfg, training=False)
     e = cfg.eval

@@ -1,4 +1,5 @@
-"""Training metrics of a run: the progress line in the log and ``workdir/metrics.jsonl``.
+"""Training metrics of a run: the progress line in the log, ``workdir/metrics.jsonl`` and
+TensorBoard event files in ``workdir/tensorboard/`` (``tensorboard --logdir=workdir``).
 
 Every logged training record goes through `MetricsWriter.write`, the one place that writes
 metrics.
@@ -20,7 +21,13 @@ class MetricsWriter:
     first: an interrupted run logged them after its last checkpoint, and they are about to be
     redone. A torn last line (a killed process) is dropped with a warning.
 
-    Only a ``primary`` writer (process 0 of a multi-process run) touches the file; every
+    Each record also goes to TensorBoard (tensorboardX): one scalar per key of the record but
+    ``step``, tagged with the key, at global step ``record["step"]``, stored as float32. Each
+    writer opens a new event file in ``workdir/tensorboard/``; a resumed one first marks the
+    steps after ``start_step`` as purged, so TensorBoard hides the redone steps of the earlier
+    file as metrics.jsonl drops them. Events reach the file in the background and at `close`.
+
+    Only a ``primary`` writer (process 0 of a multi-process run) touches the files; every
     process's writer checks the loss, so all of them stop on a non-finite one (`distributed`
     keeps the INFO log lines of other processes out of the log).
     """
@@ -28,7 +35,7 @@ class MetricsWriter:
     def __init__(self, workdir: str, start_step: int, num_steps: int, *, primary: bool = True):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.num_steps = num_steps
-        self._file = None
+        self._file = self._tensorboard = None
         if not primary:
             return
         kept = []
@@ -43,6 +50,15 @@ class MetricsWriter:
             with open(self.path, "w") as f:
                 f.writelines(kept)
         self._file = open(self.path, "a")
+        from tensorboardX import SummaryWriter  # lazily: it imports torch where installed
+
+        # Event file names hold the time in seconds and the host: the suffix keeps a writer
+        # resumed within the same second from overwriting the previous file.
+        self._tensorboard = SummaryWriter(
+            os.path.join(workdir, "tensorboard"),
+            purge_step=start_step + 1 if start_step else None,
+            filename_suffix=f".{os.getpid()}.from_step_{start_step}",
+        )
 
     def write(self, record: dict) -> None:
         """Logs and appends ``record``: {step, loss, [noisy_loss, clean_loss,] learning_rate,
@@ -67,11 +83,16 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+            for key, value in record.items():
+                if key != "step":
+                    self._tensorboard.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
-        """Closes the file (a non-primary writer has none)."""
+        """Closes metrics.jsonl and the event file, writing the events still queued (a
+        non-primary writer has neither)."""
         if self._file is not None:
             self._file.close()
+            self._tensorboard.close()
 
 
 def _hms(seconds: float) -> str:

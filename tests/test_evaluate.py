@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 
 from mars_jax import evaluate
+from test_eval_plot import report
 
 # (completion, reference): the same number.
 EQUAL = [
@@ -145,11 +146,10 @@ def test_thresholds_outside_0_1_are_refused_before_loading(thresholds, tmp_path)
 def test_each_evaluation_is_kept_in_its_own_file(tmp_path):
     # Two evaluations of the same step with different thresholds: both stay findable under
     # eval/, and eval.json is the latest.
-    first = {"step": 7, "results": [{"threshold": 0.9}]}
-    second = {"step": 7, "results": [{"threshold": 0.5}]}
+    first, second = report(7, [0.9], seed=0), report(7, [0.5], seed=1)
     paths = [evaluate.write_report(str(tmp_path), r) for r in (first, second)]
     assert len(set(paths)) == 2
-    files = sorted((tmp_path / "eval").iterdir())
+    files = sorted((tmp_path / "eval").glob("*.json"))
     assert [f.name.startswith("step_7_") for f in files] == [True, True]
     assert sorted(json.loads(f.read_text())["results"][0]["threshold"] for f in files) == [
         0.5,

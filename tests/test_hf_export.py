@@ -9,6 +9,7 @@ and the run's block size without breaking transformers' or our own loading.
 
 import json
 import os
+import shutil
 import stat
 
 import jax
@@ -16,12 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import yaml
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import test_eval_plot
 from conftest import hf_logits, save_hf
 from decode_oracles import swap_head_columns
-from mars_jax import decode, export, huggingface, sharding
+from mars_jax import decode, evaluate, export, huggingface, sharding
 from mars_jax import workdir as wd
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID, MASK_TOKEN, load_tokenizer
 
@@ -96,11 +99,16 @@ def test_no_generation_config_without_the_qwen_vocabulary(tied_ckpt, tmp_path):
 
 @pytest.fixture(scope="module")
 def run_dir(qwen_vocab, tmp_path_factory):
-    """A run directory holding the model as checkpoint step 3 of a run trained with block
-    size 6 (its files written as `mars_jax.train` writes them, without training)."""
+    """A run directory holding the model as checkpoint step 3 of a MARS run trained with block
+    size 6 and ar_weight 0.5 (its files written as `mars_jax.train` writes them, without
+    training)."""
     model, _ = qwen_vocab
     workdir = str(tmp_path_factory.mktemp("run"))
-    run_config = {"objective": {"block_size": 6}, "mesh": {"rules": dict(sharding.DEFAULT_RULES)}}
+    run_config = {
+        "init_from": "runs/stage1",
+        "objective": {"name": "mars", "block_size": 6, "ar_weight": 0.5, "normalization": "token"},
+        "mesh": {"rules": dict(sharding.DEFAULT_RULES)},
+    }
     wd.write_run_files(workdir, json.dumps(run_config), model.cfg, load_tokenizer(None))
     with wd.Checkpoints(workdir) as checkpoints:
         opt_state = {"count": jnp.zeros((), jnp.int32)}
@@ -158,3 +166,64 @@ def test_exported_files_respect_the_umask(tied_ckpt, tmp_path):
         assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {
             f.name: mode for f in files
         }
+
+
+def _front_matter(card):
+    """The YAML metadata of a model card and the Markdown after it."""
+    _, metadata, body = card.split("---\n", 2)
+    return yaml.safe_load(metadata), body
+
+
+def test_export_run_writes_a_model_card(run_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    report = test_eval_plot.report(3, [1.0, 0.95, 0.9], seed=4, workdir=str(run))
+    evaluate.write_report(str(run), report)
+    out = tmp_path / "export"
+    export.export_run(str(run), str(out), base_model="Qwen/Qwen2.5-0.5B-Instruct")
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [IM_END_ID, ENDOFTEXT_ID]
+    metadata, card = _front_matter((out / "README.md").read_text())
+    assert metadata == {
+        "library_name": "transformers",
+        "base_model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "tags": ["mars", "qwen2"],
+    }
+    # The run's block size, mask token, objective and init_from.
+    assert "| block size (most tokens per forward, as trained) | 6 |" in card
+    assert f"| mask token | `{MASK_TOKEN}` (id {MASK_ID}) |" in card
+    assert "| objective | mars, ar_weight 0.5, token normalization |" in card
+    assert "| initialized from | runs/stage1 |" in card
+    assert f"run `{run}`, step 3" in card
+    for threshold in ("**1.0**", "**0.95**", "**0.9**"):
+        assert threshold in card
+    # eval.json's table, one row per threshold.
+    assert "## Evaluation (step 3)" in card
+    for r in report["results"]:
+        row = f"| {r['threshold']:.2f} | {r['accuracy']:.3f} | {r['tokens_per_forward']:.2f} |"
+        assert row in card
+    assert f"python -m mars_jax.generate --workdir={run} " in card
+    # The card's Python example decodes with this export at the run's block size.
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "block_size=6, threshold=0.95" in code
+    code = code.replace('path = "."', f"path = {str(out)!r}")
+    code = code.replace("max_new_tokens=256", "max_new_tokens=8")
+    exec(code, {})  # compiles the decoder: about 10 s of this test
+    tokens_per_forward = float(capsys.readouterr().out.rsplit(" ", 1)[1])
+    assert 1.0 <= tokens_per_forward <= 6
+
+
+def test_model_card_of_an_ar_run_without_evaluation():
+    run_config = {
+        "init_from": "",
+        "objective": {"name": "ar", "block_size": 4, "ar_weight": 1.0, "normalization": "sequence"},
+    }
+    card = export.model_card(
+        run_config, load_tokenizer(None), workdir="runs/ar", step=9, block_size=4
+    )
+    metadata, body = _front_matter(card)
+    assert metadata == {"library_name": "transformers", "tags": ["mars", "qwen2"]}
+    assert "| block size (most tokens per forward, as trained) | 4 |" in body
+    assert "| initialized from | random initialization |" in body
+    assert "trained with the 'ar' objective, not MARS" in body
+    assert "## Evaluation" not in body

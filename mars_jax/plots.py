@@ -1,0 +1,45 @@
+"""Plots of evaluation results (`mars_jax.evaluate` reports)."""
+
+from __future__ import annotations
+
+
+def pareto_plot(runs: dict[str, list[dict]], path: str, *, title: str = ""):
+    """Plots accuracy against tokens per forward, one line per run, and saves it to ``path``.
+
+    ``runs`` maps a run's label (the legend entry) to its evaluation records, the ``results``
+    of an `mars_jax.evaluate` report: dicts with at least ``threshold``, ``accuracy`` (fraction)
+    and ``tokens_per_forward``. Each run is a line through one point per record, in order of
+    decreasing threshold (from 1.0, AR decoding, on), each point labelled with its threshold
+    (the thresholds of coinciding points share one label, "1, 0.95").
+    The format follows ``path``'s extension (e.g. ".png"); rendered with matplotlib's Agg
+    canvas, without pyplot's global state. Returns the matplotlib ``Figure``.
+
+    Raises ValueError for no runs or a run without records; KeyError for a record missing
+    one of those keys.
+    """
+    from matplotlib.figure import Figure  # lazily: only evaluation plots need matplotlib
+
+    if not runs or not all(runs.values()):
+        raise ValueError(f"nothing to plot in {path}: every run needs evaluation records")
+    fig = Figure(figsize=(6, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for label, records in runs.items():
+        records = sorted(records, key=lambda r: -r["threshold"])
+        x = [r["tokens_per_forward"] for r in records]
+        y = [r["accuracy"] for r in records]
+        (line,) = ax.plot(x, y, marker="o", label=label)
+        thresholds = {}  # one label per distinct point: "1, 0.95" where two coincide
+        for r, point in zip(records, zip(x, y)):
+            thresholds.setdefault(point, []).append(f"{r['threshold']:g}")
+        for point, names in thresholds.items():
+            ax.annotate(
+                ", ".join(names), point, textcoords="offset points", xytext=(4, 4),
+                fontsize=8, color=line.get_color(),
+            )
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return fig
