@@ -195,11 +195,11 @@ def _json_lines(
             f"{num_bad} of {num_lines} non-blank lines ({num_bad / num_lines:.2%}) hold no JSON "
             f"object ({dict(reasons)}); the first at lines {', '.join(str(n) for n, _ in shown)}"
         )
-        if num_bad > max_bad_fraction * num_lines:
+        if num_bad / num_lines > max_bad_fraction:
             raise ValueError(
                 f"{shown[0][1]}; {summary}: more than max_bad_fraction={max_bad_fraction}"
             )
-        logging.warning("%s: skipped %s; %s", path, summary, "; ".join(m for _, m in shown))
+        logging.warning("%s: %s, skipped: %s", path, summary, "; ".join(m for _, m in shown))
     return rows, reasons
 
 
