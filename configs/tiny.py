@@ -42,6 +42,10 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "num_synthetic_train": 4000,
             "max_length": 128,  # a multiple of objective.block_size
             "all_assistant_turns": False,  # label every assistant turn, not only the last
+            # JSON Lines training files: the largest fraction of non-blank lines that may hold no
+            # row (invalid JSON or UTF-8, not an object); such lines are skipped, counted and
+            # logged by file:line; past it the run stops. 0: any such line stops it.
+            "max_bad_fraction": 0.01,
         },
         "objective": {
             "name": stage,  # ar (stage 1) | mars (stage 2)

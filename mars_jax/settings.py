@@ -143,6 +143,8 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
             t.batch_size,
             f"must be divisible by train.grad_accum_steps={t.grad_accum_steps}",
         )
+    if not 0 <= d.max_bad_fraction <= 1:  # NaN fails too; the ConfigDict keeps it a float
+        raise SettingError("data.max_bad_fraction", d.max_bad_fraction, "must lie in [0, 1]")
     if d.source not in SOURCES:
         raise SettingError("data.source", d.source, f"must be one of {SOURCES}")
     if d.source != "synthetic":

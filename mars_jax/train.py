@@ -101,7 +101,8 @@ def load_train_examples(cfg, tok):
             "synthetic",
         )
     else:
-        rows, fmt, name = data.read_rows(d.train_path), d.source, d.train_path
+        rows = data.read_rows(d.train_path, max_bad_fraction=d.max_bad_fraction)
+        fmt, name = d.source, d.train_path
     examples, _ = data.build_examples(
         rows,
         tok,
