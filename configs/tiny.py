@@ -46,6 +46,9 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             # row (invalid JSON or UTF-8, not an object); such lines are skipped, counted and
             # logged by file:line; past it the run stops. 0: any such line stops it.
             "max_bad_fraction": 0.01,
+            # Rows longer than max_length: cut to it, keeping the labels that fit (True, the
+            # reference's behaviour), or skipped and counted as too_long (False).
+            "truncate": True,
         },
         "objective": {
             "name": stage,  # ar (stage 1) | mars (stage 2)

@@ -504,9 +504,11 @@ def _assemble(
     block_size: int,
     bos_id: int,
     eos_id: int,
+    truncate: bool = True,
 ) -> Example:
     """Concatenates tokenized pieces into (input_ids, labels): BOS in front when the first token
-    is labelled, truncation to max_length, labelled EOS padding to a multiple of block_size."""
+    is labelled, truncation to max_length (or, with ``truncate`` False, SkipRow("too_long") when
+    that would drop a labelled token), labelled EOS padding to a multiple of block_size."""
     ids = np.concatenate([np.asarray(p, np.int32) for p in pieces])
     mask = np.concatenate([np.full(len(p), flag) for p, flag in zip(pieces, labelled)])
     if mask[0]:
@@ -514,9 +516,11 @@ def _assemble(
             np.concatenate([[bos_id], ids]).astype(np.int32),
             np.concatenate([[False], mask]),
         )
-    ids, mask = ids[:max_length], mask[:max_length]
-    if not mask.any():
+    if not mask[:max_length].any():
         raise SkipRow("prompt_too_long")
+    if not truncate and mask[max_length:].any():
+        raise SkipRow("too_long")
+    ids, mask = ids[:max_length], mask[:max_length]
     pad = np.full(-len(ids) % block_size, eos_id, np.int32)
     return np.concatenate([ids, pad]), np.concatenate([np.where(mask, ids, IGNORE_INDEX), pad])
 
@@ -536,6 +540,7 @@ def tokenize_chat(
     block_size: int,
     all_assistant_turns: bool = False,
     tools=None,
+    truncate: bool = True,
 ) -> Example:
     """Tokenizes one conversation for MARS SFT, as the MARS reference's SFT data path does.
 
@@ -545,8 +550,9 @@ def tokenize_chat(
     the template renders for the final assistant turn after its generation prompt, through its
     closing `<|im_end|>` (every assistant turn's with `all_assistant_turns`), and are
     IGNORE_INDEX elsewhere. The sequence ends at the final labelled `<|im_end|>`; rows longer
-    than `max_length` are cut to it, keeping surviving labels; then labelled `<|im_end|>` pads it
-    to a multiple of `block_size`. A BOS is prepended only if the first token would be labelled.
+    than `max_length` are cut to it, keeping surviving labels (the reference's behaviour), or,
+    with `truncate` False, skipped as too_long when the cut would drop a labelled token; then
+    labelled `<|im_end|>` pads it to a multiple of `block_size`. A BOS is prepended only if the first token would be labelled.
 
     Tool use (OpenAI's chat format) reaches the template as `transformers`'
     `apply_chat_template(messages, tools=tools)` passes it: a message's `tool_calls` (on
@@ -563,7 +569,7 @@ def tokenize_chat(
       ValueError: max_length is not a positive multiple of block_size, or the chat template does
         not render assistant turns after their generation prompt.
       SkipRow: with its reason:
-        prompt_too_long; missing_field; none_content; non_string_content (a role, content, name
+        prompt_too_long; too_long (only with `truncate` False); missing_field; none_content; non_string_content (a role, content, name
         or tool_call_id that is not a str); special_token_in_content (a control-token string
         such as "<|im_end|>" or "<|mask|>" in a role, content, tool call or the tools);
         lone_surrogate (one of those strings holds an unpaired UTF-16 surrogate);
@@ -586,6 +592,7 @@ def tokenize_chat(
         block_size=block_size,
         bos_id=tokenizer.bos_id,
         eos_id=tokenizer.eos_id,
+        truncate=truncate,
     )
 
 
@@ -599,12 +606,14 @@ def build_examples(
     all_assistant_turns: bool = False,
     max_label_tokens: int | None = None,
     source_name: str = "",
+    truncate: bool = True,
 ) -> tuple[list[Example], collections.Counter]:
     """Tokenizes rows (see `rows_to_messages`, `row_tools` and `tokenize_chat`) with one batched
     encode.
 
     Skipped rows are counted by reason (those of `tokenize_chat`, plus template_error: the chat
-    template raised while rendering the row) and logged with `source_name`.
+    template raised while rendering the row) and logged with `source_name`, as is the number of
+    kept rows cut to `max_length` (`truncate`: see `tokenize_chat`).
 
     Returns:
       (examples, skips): a list of (input_ids int32[n], labels int32[n]) and a Counter of skip
@@ -626,7 +635,7 @@ def build_examples(
         except jinja2.TemplateError:  # e.g. a template that needs a turn before the assistant's
             skips["template_error"] += 1
     encoded = iter(tokenizer.encode_batch([text for _, segs in kept for text, _ in segs]))
-    examples = []
+    examples, truncated = [], 0
     for index, segments in kept:
         pieces = [next(encoded) for _ in segments]
         try:
@@ -637,10 +646,12 @@ def build_examples(
                 block_size=block_size,
                 bos_id=tokenizer.bos_id,
                 eos_id=tokenizer.eos_id,
+                truncate=truncate,
             )
         except SkipRow as e:
             skips[e.reason] += 1
             continue
+        truncated += sum(map(len, pieces)) + bool(segments[0][1]) > max_length  # + BOS
         num_labels = int((example[1] != IGNORE_INDEX).sum())
         if max_label_tokens is not None and num_labels > max_label_tokens:
             raise ValueError(
@@ -649,10 +660,12 @@ def build_examples(
             )
         examples.append(example)
     logging.info(
-        "data %s: kept %d of %d rows; skipped: %s",
+        "data %s: kept %d of %d rows (%d cut to max_length=%d); skipped: %s",
         source_name,
         len(examples),
         len(examples) + sum(skips.values()),
+        truncated,
+        max_length,
         dict(skips) or "none",
     )
     return examples, skips

@@ -112,6 +112,7 @@ def load_train_examples(cfg, tok):
         all_assistant_turns=d.all_assistant_turns,
         max_label_tokens=cfg.objective.max_label_tokens or None,
         source_name=name,
+        truncate=d.truncate,
     )
     return examples
 

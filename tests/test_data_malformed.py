@@ -283,33 +283,30 @@ def test_malformed_rows_are_skipped_by_reason_and_kept_rows_label_their_answer(t
         num_lines, bad = expected_lines(out)
         rows += data.read_rows(path, max_bad_fraction=len(bad) / num_lines, skips=skips)
     examples, row_skips = data.build_examples(
-        rows, tok, "messages", max_length=MAX_LENGTH, block_size=BS, source_name="mixture"
+        rows, tok, "messages", max_length=MAX_LENGTH, block_size=BS, source_name="mixture",
+        truncate=False,
     )
     skips.update(row_skips)
 
     flat = [out for part in outcomes for _, out in part]
     assert collections.Counter(kind for kind, _ in flat)["blank"] > 0
     expected = collections.Counter(reason for kind, reason in flat if kind in ("line", "row"))
+    expected["too_long"] = sum(kind == "cut" for kind, _ in flat)  # truncate=False skips them
     assert skips == expected, (skips - expected, expected - skips)
     assert set(expected) == {  # every reason the generators make occurs
         "invalid_json", "not_an_object", "invalid_utf8", "nul_byte", "missing_field",
         "none_content", "non_string_content", "empty_answer", "no_assistant_turn",
         "special_token_in_content", "lone_surrogate", "bad_tools", "bad_tool_calls",
-        "orphan_tool_message", "prompt_too_long",
+        "orphan_tool_message", "prompt_too_long", "too_long",
     }
-    answers = [(kind, content) for kind, content in flat if kind in ("kept", "cut")]
+    answers = [content for kind, content in flat if kind == "kept"]
     assert len(examples) == len(answers)
-    assert sum(kind == "cut" for kind, _ in answers) > 0
-    for (ids, labels), (kind, content) in zip(examples, answers):
+    for (ids, labels), content in zip(examples, answers):
         mask = labels != data.IGNORE_INDEX
         np.testing.assert_array_equal(labels[mask], ids[mask])
         first = int(np.argmax(mask))
         assert mask[first:].all(), "the labels are one run up to the end"
         text = tok.decode(ids[mask], skip_special_tokens=False)
-        if kind == "cut":  # cut at max_length inside the answer: a prefix of it, no <|im_end|>
-            assert len(ids) == MAX_LENGTH and text == content[: len(text)] and len(text) > 0
-            assert ids[mask].tolist() == tok.encode(content)[: mask.sum()]
-            continue
         assert text.startswith(content + IM_END), (content, text)
         pads = text[len(content + IM_END) :]
         num_pads = pads.count(IM_END)
@@ -317,6 +314,23 @@ def test_malformed_rows_are_skipped_by_reason_and_kept_rows_label_their_answer(t
         # Labelled <|im_end|> padding up to the next multiple of the block size, no further.
         assert len(ids) % BS == 0 and num_pads == -(len(ids) - num_pads) % BS
         assert (ids[len(ids) - num_pads :] == IM_END_ID).all()
+
+
+def test_long_answers_are_cut_by_default(tok):
+    """truncate=True (the reference's behaviour, the default): an answer past max_length keeps
+    its first tokens as labels, a prefix of the answer with no <|im_end|>."""
+    rng = random.Random(5)
+    contents = [long_answer(rng)[1][1] for _ in range(3)]
+    rows = [{"messages": [user(), assistant(c)]} for c in contents]
+    examples, skips = data.build_examples(
+        rows, tok, "messages", max_length=MAX_LENGTH, block_size=BS, source_name="long"
+    )
+    assert not skips and len(examples) == len(contents)
+    for (ids, labels), content in zip(examples, contents):
+        mask = labels != data.IGNORE_INDEX
+        text = tok.decode(ids[mask], skip_special_tokens=False)
+        assert len(ids) == MAX_LENGTH and text == content[: len(text)] and len(text) > 0
+        assert ids[mask].tolist() == tok.encode(content)[: mask.sum()]
 
 
 def test_bad_lines_stop_the_read_only_past_the_fraction(mixture, caplog):
@@ -356,6 +370,11 @@ def test_config_key_reaches_training_data(tmp_path, tok):
     match = rf"^{re.escape(str(path))}:2: invalid JSON: .*1 of 4 non-blank"
     with pytest.raises(ValueError, match=match):
         train.load_train_examples(cfg, tok)
+    # data.truncate: a row longer than max_length is cut (True) or skipped (False).
+    path.write_bytes(line(rows[0]) + b"\n" + line({"question": "q", "answer": "word " * 500}))
+    assert len(train.load_train_examples(cfg, tok)) == 2
+    cfg.data.truncate = False
+    assert len(train.load_train_examples(cfg, tok)) == 1
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
