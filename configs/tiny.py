@@ -46,6 +46,10 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             # row (invalid JSON or UTF-8, not an object); such lines are skipped, counted and
             # logged by file:line; past it the run stops. 0: any such line stops it.
             "max_bad_fraction": 0.01,
+            # Runs from scratch (or from a trimmed run): embedding rows only for the ids of the
+            # training and evaluation data (+ control tokens), model.vocab_size ignored; the id
+            # map is RUN/vocab_map.json (mars_jax/vocab.py). Such a run cannot be exported.
+            "trim_vocab": False,
         },
         "objective": {
             "name": stage,  # ar (stage 1) | mars (stage 2)
