@@ -49,6 +49,10 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             # Rows longer than max_length: cut to it, keeping the labels that fit (True, the
             # reference's behaviour), or skipped and counted as too_long (False).
             "truncate": True,
+            # Runs from scratch (or from a trimmed run): embedding rows only for the ids of the
+            # training and evaluation data (+ control tokens), model.vocab_size ignored; the id
+            # map is RUN/vocab_map.json (mars_jax/vocab.py). Such a run cannot be exported.
+            "trim_vocab": False,
         },
         "objective": {
             "name": stage,  # ar (stage 1) | mars (stage 2)

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, data, decode, plots, settings, workdir as wd
+from mars_jax import cli, data, decode, plots, settings, vocab, workdir as wd
 from mars_jax.objectives import ar_loss
 
 # An unsigned number: digits with comma thousands separators in groups of exactly three
@@ -180,6 +180,7 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
         shuffle=False,
         num_epochs=1,
         drop_remainder=False,
+        pad_id=tok.pad_id,
     )
     for batch in ds:
         metrics = jax.device_get(loss(model, batch))
@@ -263,6 +264,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             rule=e.rule,
             seed=cfg.seed,
             mask_id=tok.mask_id,
+            eos_ids=vocab.model_ids(tok, decode.DEFAULT_EOS_IDS),
         )
 
     # Compiles once (threshold is a traced argument) and gives the one-token (AR) reference.

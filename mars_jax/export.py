@@ -43,8 +43,15 @@ def export_run(
     "Qwen/Qwen2.5-0.5B-Instruct", goes into the card's metadata. Returns the exported step.
 
     Raises FileNotFoundError for a directory that is not a run with a checkpoint,
-    FileExistsError when ``output`` already holds weights (see `huggingface.export_hf`).
+    FileExistsError when ``output`` already holds weights (see `huggingface.export_hf`),
+    ValueError for a trimmed-vocabulary run (``data.trim_vocab``), before writing anything.
     """
+    if (vmap := wd.read_vocab_map(workdir)) is not None:
+        raise ValueError(
+            f"{workdir} has a trimmed vocabulary ({len(vmap)} rows, vocab_map.json): a Hugging "
+            "Face checkpoint needs a row for every id, and without an output bias no weights "
+            "keep the missing rows from being chosen; export is refused"
+        )
     model, tok, step = wd.load_model(workdir, step=step)
     block_size = wd.trained_block_size(workdir)
     huggingface.export_hf(

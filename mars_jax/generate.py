@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, data, decode, workdir as wd
+from mars_jax import cli, data, decode, vocab, workdir as wd
 from mars_jax.tokenizer import Tokenizer
 
 
@@ -79,10 +79,11 @@ def complete(
     ``system`` is an optional system message; ``stream(row, text)``, if given, receives each
     row's text as it is committed (see `TextStream`); the other arguments are as in
     `decode.generate`. Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
-    EOS excluded), "text", "tokens_per_forward" (float)}. Raises FileNotFoundError for a
+    EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}. Raises FileNotFoundError for a
     directory that is not a run with a checkpoint, ValueError as `decode.generate`.
     """
     model, tok, _ = wd.load_model(workdir, step=step)
+    eos_ids = vocab.model_ids(tok, decode.DEFAULT_EOS_IDS)
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
         tok.apply_chat_template(
@@ -100,14 +101,13 @@ def complete(
         cache_mode=cache_mode,
         rule=rule,
         mask_id=tok.mask_id,
-        on_accept=None
-        if stream is None
-        else TextStream(tok, len(prompts), decode.DEFAULT_EOS_IDS, stream),
+        eos_ids=eos_ids,
+        on_accept=None if stream is None else TextStream(tok, len(prompts), eos_ids, stream),
     )
     return [
         {
             "prompt": prompt,
-            "tokens": tokens,
+            "tokens": vocab.qwen_ids(tok, tokens),
             "text": tok.decode(tokens),
             "tokens_per_forward": float(tpf),
         }

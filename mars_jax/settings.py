@@ -155,6 +155,36 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
         raise MissingPath("init_from", cfg.init_from, "is not a directory")
     if cfg.tokenizer_path and not os.path.isdir(cfg.tokenizer_path):
         raise MissingPath("tokenizer_path", cfg.tokenizer_path, "is not a directory")
+    if training and cfg.init_from:
+        _check_trim_vocab(cfg)
+
+
+def _check_trim_vocab(cfg) -> None:
+    """``data.trim_vocab`` must match ``init_from``: a trimmed run starts from scratch or from
+    a trimmed run (whose id map it keeps), an untrimmed one never from a trimmed run."""
+    is_run = os.path.exists(os.path.join(cfg.init_from, "model.json"))
+    trimmed = os.path.exists(os.path.join(cfg.init_from, "vocab_map.json"))
+    if cfg.data.trim_vocab and not is_run:
+        raise SettingError(
+            "data.trim_vocab",
+            True,
+            f"init_from={cfg.init_from!r} is a Hugging Face checkpoint, whose rows are the full "
+            "vocabulary; trimming is for runs from scratch or from a trimmed run",
+        )
+    if cfg.data.trim_vocab and not trimmed:
+        raise SettingError(
+            "data.trim_vocab",
+            True,
+            f"init_from={cfg.init_from!r} is an untrimmed run; a trimmed run starts from scratch "
+            "or from a trimmed run",
+        )
+    if trimmed and not cfg.data.trim_vocab:
+        raise SettingError(
+            "data.trim_vocab",
+            False,
+            f"init_from={cfg.init_from!r} is a trimmed run (vocab_map.json): set "
+            "data.trim_vocab=True to continue with its id map",
+        )
 
 
 def _need_file(cfg, key: str) -> None:

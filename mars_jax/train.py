@@ -34,7 +34,7 @@ from absl import logging
 from flax import nnx
 
 from mars_jax import (
-    cli, data, distributed, huggingface, settings, sharding, train_step, workdir as wd
+    cli, data, distributed, huggingface, settings, sharding, train_step, vocab, workdir as wd
 )
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2
@@ -117,6 +117,27 @@ def load_train_examples(cfg, tok):
     return examples
 
 
+def vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
+    """The id map of a trimmed run (``data.trim_vocab``): the one saved in ``workdir`` (a
+    resumed run) or in ``init_from`` (a trimmed run continued), else built (`vocab.build`) from
+    the Qwen ids of ``examples`` (the tokenized training data) and of the evaluation examples
+    (every row of ``data.eval_path``; ``eval.num_examples`` synthetic ones), as evaluation
+    tokenizes them."""
+    for run in (workdir, cfg.init_from):
+        if run and (saved := wd.read_vocab_map(run)) is not None:
+            return saved
+    source, fmt, seed = data.eval_source(cfg)
+    num = cfg.eval.num_examples if source == data.SYNTHETIC else None
+    rows = [
+        {"messages": prompt + [{"role": "assistant", "content": answer}]}
+        for prompt, answer in data.eval_examples(source, num_examples=num, fmt=fmt, seed=seed)
+    ]
+    evaluation, _ = data.build_examples(
+        rows, tok, "messages", max_length=2**30, block_size=1, source_name=f"{source} (vocab)"
+    )
+    return vocab.build((ids for ids, _ in examples + evaluation), tok.mask_id, len(tok))
+
+
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training of run config ``cfg`` in ``workdir``; returns the last logged
     metrics record (empty if the run was already complete).
@@ -142,6 +163,12 @@ def train(cfg, workdir: str) -> dict:
     settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
+    vmap = vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
+    if vmap is not None:
+        examples = vmap.map_examples(examples, "training data")
+        tok = vocab.MappedTokenizer(tok, vmap)
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vmap))
+        logging.info("trimmed vocabulary: %d rows", len(vmap))
     t = cfg.train
     if len(examples) < t.batch_size:
         raise settings.SettingError(
@@ -161,6 +188,7 @@ def train(cfg, workdir: str) -> dict:
         batch_size=t.batch_size,
         max_length=cfg.data.max_length,
         seed=cfg.seed,
+        pad_id=tok.pad_id,
         rows=distributed.process_rows(step.batch_sharding, t.batch_size),
     )
     run_config = cfg.to_json_best_effort(indent=2)
@@ -174,6 +202,8 @@ def train(cfg, workdir: str) -> dict:
         state = wd.TrainState(params, opt_state, data_position=0)
         if distributed.is_primary():
             wd.write_run_files(workdir, run_config, model_cfg, tok)
+            if vmap is not None:
+                wd.write_vocab_map(workdir, vmap)
         start = 0
     else:
         wd.check_same_run(workdir, run_config)

@@ -4,6 +4,8 @@ Layout of ``workdir``:
   config.json       the run config (ml_collections ConfigDict as JSON)
   model.json        the `ModelConfig` of the checkpoints
   tokenizer/        the tokenizer files (transformers-loadable, with <|mask|>)
+  vocab_map.json    only in a trimmed run (data.trim_vocab): the Qwen2.5 id of each model
+                    row (`mars_jax.vocab.VocabMap`)
   checkpoints/<step>/{params, opt_state, data}   Orbax checkpoints (atomic, written
                     asynchronously): parameters as nested dicts of arrays (``nnx.to_pure_dict``,
                     readable without this package), the optax state, and the data position
@@ -26,7 +28,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from mars_jax import sharding
+from mars_jax import sharding, vocab
 from mars_jax.model import ModelConfig
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -60,6 +62,22 @@ def write_run_files(workdir: str, run_config_json: str, cfg: ModelConfig, tok: T
     with open(os.path.join(workdir, "model.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
     tok.save(os.path.join(workdir, "tokenizer"))
+
+
+VOCAB_MAP = "vocab_map.json"
+
+
+def write_vocab_map(workdir: str, vmap: vocab.VocabMap) -> None:
+    """Writes the id map of a trimmed run to ``workdir/vocab_map.json``."""
+    os.makedirs(workdir, exist_ok=True)
+    vmap.save(os.path.join(workdir, VOCAB_MAP))
+
+
+def read_vocab_map(workdir: str) -> vocab.VocabMap | None:
+    """The id map of the run in ``workdir``, or None for an untrimmed run (no vocab_map.json).
+    Raises ValueError for a malformed file."""
+    path = os.path.join(workdir, VOCAB_MAP)
+    return vocab.VocabMap.load(path) if os.path.exists(path) else None
 
 
 # Keys that may differ when a run is resumed: they do not change what is computed. The
@@ -245,7 +263,8 @@ def _fill(abstract: nnx.State, pure: dict) -> nnx.State:
 
 
 def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = None, **overrides):
-    """Rebuilds the trained model of ``workdir``: returns (Qwen2, Tokenizer, step).
+    """Rebuilds the trained model of ``workdir``: returns (Qwen2, Tokenizer, step). For a
+    trimmed run the tokenizer is a `vocab.MappedTokenizer` (model ids in and out).
 
     ``overrides`` replace `ModelConfig` fields (e.g. ``dtype="bfloat16"``); ``mesh`` defaults to
     all devices on the data axis; parameters are placed by the run's ``mesh.rules``.
@@ -258,4 +277,6 @@ def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = Non
     with Checkpoints(workdir) as checkpoints:
         params, step = checkpoints.restore_params(abstract, step)
     tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
+    if (vmap := read_vocab_map(workdir)) is not None:
+        tok = vocab.MappedTokenizer(tok, vmap)
     return nnx.merge(graphdef, params), tok, step

@@ -1,0 +1,180 @@
+"""Vocabulary trimming for runs trained from scratch (``data.trim_vocab``).
+
+A trimmed model has one embedding (and tied output) row per kept Qwen2.5 id instead of 151,936:
+the ids that occur in the training and evaluation data, the control tokens ``<|endoftext|>``,
+``<|im_start|>``, ``<|im_end|>`` and ``<|mask|>``, and filler ids (the lowest absent ids) up to
+a multiple of `ROW_MULTIPLE` rows, so the vocabulary axis still splits over a tensor mesh axis.
+Every row is a real Qwen2.5 id, so whatever row the decoder picks maps back to a token.
+
+The map is a sorted array of the kept ids: model id ``m`` is Qwen id ``ids[m]``. Ids are mapped
+at the boundaries: training examples once tokenized, and decoding, evaluation and generation
+through `MappedTokenizer`, whose ids are model ids. What users get back (generated ``tokens``)
+is mapped to Qwen ids again (`qwen_ids`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from mars_jax.data import IGNORE_INDEX
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
+
+ROW_MULTIPLE = 128  # kept rows are padded with filler ids to a multiple of this
+
+
+class VocabMap:
+    """The kept Qwen2.5 ids of a trimmed model, ``ids`` (int32 [V], sorted, unique).
+
+    Raises ValueError for ids that are not sorted and unique or are negative.
+    """
+
+    def __init__(self, ids: Sequence[int] | np.ndarray):
+        self.ids = np.asarray(ids, np.int32)
+        if self.ids.ndim != 1 or self.ids.size == 0 or self.ids[0] < 0 or np.any(
+            np.diff(self.ids) <= 0
+        ):
+            raise ValueError("a vocabulary map needs non-negative ids, sorted and unique")
+
+    def __len__(self) -> int:
+        """The number of model rows (kept ids)."""
+        return int(self.ids.size)
+
+    def to_model(self, qwen_ids, where: str = "") -> np.ndarray:
+        """Qwen ids (any int array-like) -> model ids (int32, same shape).
+
+        Raises ValueError naming the first id that is not kept (and ``where`` it came from).
+        """
+        if missing := self.missing(qwen_ids):
+            raise ValueError(
+                f"{where + ': ' if where else ''}token id {missing[0]} is not in the trimmed "
+                f"vocabulary ({len(self)} ids kept from the run's training and evaluation data)"
+            )
+        return np.searchsorted(self.ids, np.asarray(qwen_ids, np.int64)).astype(np.int32)
+
+    def missing(self, qwen_ids) -> list[int]:
+        """The ids of ``qwen_ids`` that are not kept, in order of first occurrence."""
+        q = np.ravel(np.asarray(qwen_ids, np.int64))
+        absent = ~np.isin(q, self.ids)
+        return list(dict.fromkeys(q[absent].tolist()))
+
+    def to_qwen(self, model_ids) -> np.ndarray:
+        """Model ids (ints in [0, V)) -> Qwen ids (int32, same shape). Raises IndexError for an
+        id outside [0, V)."""
+        m = np.asarray(model_ids, np.int64)
+        if m.size and (m.min() < 0 or m.max() >= len(self)):
+            raise IndexError(f"model ids must lie in [0, {len(self)}), got {m.min()}..{m.max()}")
+        return self.ids[m]
+
+    def map_examples(self, examples, where: str = "") -> list:
+        """Training examples [(input_ids, labels)] of Qwen ids -> the same in model ids
+        (IGNORE_INDEX labels kept). Raises ValueError as `to_model`."""
+        out = []
+        for ids, labels in examples:
+            mapped = np.where(labels == IGNORE_INDEX, 0, labels)
+            out.append(
+                (
+                    self.to_model(ids, where),
+                    np.where(labels == IGNORE_INDEX, IGNORE_INDEX, self.to_model(mapped, where)),
+                )
+            )
+        return out
+
+    def save(self, path: str) -> None:
+        """Writes the map as JSON: ``{"qwen_ids": [sorted ids]}``."""
+        with open(path, "w") as f:
+            json.dump({"qwen_ids": self.ids.tolist()}, f)
+
+    @classmethod
+    def load(cls, path: str) -> "VocabMap":
+        """The map saved at ``path`` by `save`. Raises ValueError naming the file when it holds
+        no sorted, unique id list."""
+        with open(path) as f:
+            saved = json.load(f)
+        try:
+            return cls(saved["qwen_ids"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a vocabulary map ({e})") from None
+
+
+def build(token_ids: Iterable[np.ndarray], mask_id: int, vocab_size: int) -> VocabMap:
+    """The map of a trimmed run: the ids in ``token_ids`` (arrays of Qwen ids, e.g. every
+    example's input_ids), the control ids and ``mask_id``, plus the lowest absent ids as filler
+    up to a multiple of `ROW_MULTIPLE` (at most ``vocab_size``, the full vocabulary's rows).
+
+    Raises ValueError for an id outside [0, vocab_size).
+    """
+    control = np.array([ENDOFTEXT_ID, IM_START_ID, IM_END_ID, mask_id])
+    kept = np.unique(np.concatenate([control, *(np.ravel(t) for t in token_ids)]))
+    if kept[0] < 0 or kept[-1] >= vocab_size:
+        raise ValueError(f"token ids {kept[0]}..{kept[-1]} lie outside [0, {vocab_size})")
+    rows = min(-(-len(kept) // ROW_MULTIPLE) * ROW_MULTIPLE, vocab_size)
+    filler = np.setdiff1d(np.arange(rows), kept)[: rows - len(kept)]
+    return VocabMap(np.union1d(kept, filler))
+
+
+class MappedTokenizer:
+    """A `Tokenizer` whose ids are a trimmed model's ids: ``encode``/``encode_batch``/
+    ``apply_chat_template`` return model ids (ValueError naming a Qwen id the map lacks),
+    ``decode`` takes model ids, and ``pad_id``, ``bos_id``, ``eos_id`` and ``mask_id`` are model
+    ids. ``render_chat``, ``chat_template`` and ``save`` are the wrapped tokenizer's.
+
+    Args:
+        tok: the run's Qwen2.5 tokenizer.
+        vocab: the run's `VocabMap`.
+    """
+
+    def __init__(self, tok: Tokenizer, vocab: VocabMap):
+        self.qwen, self.vocab = tok, vocab
+        self.chat_template = tok.chat_template
+        self.render_chat, self.save = tok.render_chat, tok.save
+        self.pad_id, self.bos_id, self.eos_id, self.mask_id = (
+            int(i) for i in vocab.to_model([tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id])
+        )
+
+    def __len__(self) -> int:
+        """The number of model ids."""
+        return len(self.vocab)
+
+    def _to_model(self, ids: list[int]) -> list[int]:
+        if missing := self.vocab.missing(ids):
+            token = self.qwen.decode(missing[:1], skip_special_tokens=False)
+            raise ValueError(
+                f"token {token!r} (id {missing[0]}) is not in this run's trimmed vocabulary "
+                f"({len(self.vocab)} ids, vocab_map.json): it never occurs in the run's "
+                "training or evaluation data"
+            )
+        return self.vocab.to_model(ids).tolist()
+
+    def encode(self, text: str) -> list[int]:
+        """Model ids of ``text`` (see `Tokenizer.encode`). Raises ValueError naming the first
+        token of ``text`` that the map lacks."""
+        return self._to_model(self.qwen.encode(text))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Model ids of each string (see `Tokenizer.encode_batch`); raises as `encode`."""
+        return [self._to_model(ids) for ids in self.qwen.encode_batch(texts)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The text of model ids ``ids`` (see `Tokenizer.decode`)."""
+        return self.qwen.decode(self.vocab.to_qwen(list(ids)), skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tools=None) -> list[int]:
+        """Model ids of the rendered chat (see `Tokenizer.apply_chat_template`)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+
+def model_ids(tok, qwen_ids: Sequence[int]) -> list[int]:
+    """``qwen_ids`` in ``tok``'s id space: mapped for a `MappedTokenizer`, else unchanged."""
+    if isinstance(tok, MappedTokenizer):
+        return tok.vocab.to_model(qwen_ids).tolist()
+    return [int(i) for i in qwen_ids]
+
+
+def qwen_ids(tok, ids: Sequence[int]) -> list[int]:
+    """Ids of ``tok``'s space as Qwen2.5 ids: mapped for a `MappedTokenizer`, else unchanged."""
+    if isinstance(tok, MappedTokenizer):
+        return tok.vocab.to_qwen(list(ids)).tolist()
+    return [int(i) for i in ids]

@@ -1,0 +1,235 @@
+"""Vocabulary trimming (``data.trim_vocab``, `mars_jax.vocab`): the id map both ways, a trimmed
+run end to end (train, stage 2, generate, evaluate) against mappings done here with plain
+dicts, and the refusals (init from a Hugging Face checkpoint, export)."""
+
+import json
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from mars_jax import data, decode, evaluate, export, generate, objectives, settings, train
+from mars_jax import train_step, vocab
+from mars_jax import workdir as wd
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
+
+CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
+
+
+def get_config(stage="ar", **extra):
+    """configs/tiny.py shrunk to a few seconds per run, trimmed; ``extra`` "a__b" = key "a.b"."""
+    cfg = tiny.get_config(stage)
+    overrides = {
+        "data.trim_vocab": True, "data.num_synthetic_train": 16, "train.num_steps": 2,
+        "train.batch_size": 4, "train.log_every": 1, "model.num_layers": 1,
+        "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
+        "eval.num_examples": 3, "eval.batch_size": 4, "eval.max_new_tokens": 6,
+        "eval.thresholds": (1.0, 0.9), "eval.nll_examples": 3,
+        **{k.replace("__", "."): v for k, v in extra.items()},
+    }
+    for key, value in overrides.items():
+        section, leaf = key.split(".") if "." in key else (None, key)
+        node = cfg[section] if section else cfg
+        assert leaf in node, key
+        node[leaf] = value
+    return cfg
+
+
+def saved_ids(workdir):
+    with open(os.path.join(workdir, "vocab_map.json")) as f:
+        return json.load(f)["qwen_ids"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The map.
+
+
+def test_map_round_trip_both_ways():
+    rng = np.random.default_rng(0)
+    kept = np.sort(rng.choice(151666, size=300, replace=False))
+    vmap = vocab.VocabMap(kept)
+    index = {int(q): m for m, q in enumerate(kept)}  # the oracle: a dict
+    qwen = rng.choice(kept, size=(3, 7))
+    model = vmap.to_model(qwen)
+    assert model.dtype == np.int32 and model.shape == (3, 7)
+    np.testing.assert_array_equal(model, np.vectorize(index.get)(qwen))
+    np.testing.assert_array_equal(vmap.to_qwen(model), qwen)
+    every = np.arange(len(vmap))
+    np.testing.assert_array_equal(vmap.to_model(vmap.to_qwen(every)), every)
+
+
+def test_missing_ids_and_bad_maps_are_refused():
+    vmap = vocab.VocabMap([3, 10, 42])
+    with pytest.raises(ValueError, match=r"^prompt 2: token id 11 is not in the trimmed"):
+        vmap.to_model([10, 11, 12], "prompt 2")
+    assert vmap.missing([12, 10, 11, 12, 99]) == [12, 11, 99]
+    with pytest.raises(IndexError, match=r"\[0, 3\)"):
+        vmap.to_qwen([0, 3])
+    for bad in ([3, 3], [5, 4], [-1, 2], []):
+        with pytest.raises(ValueError, match="sorted and unique"):
+            vocab.VocabMap(bad)
+
+
+def test_build_keeps_data_controls_mask_and_lowest_fillers():
+    data_ids = [np.array([500, 7, 7, 151645]), np.array([[9000, 3], [3, 500]])]
+    vmap = vocab.build(data_ids, mask_id=151665, vocab_size=151666)
+    needed = {500, 7, 9000, 3} | CONTROL
+    fillers = [i for i in range(151666) if i not in needed][: 128 - len(needed)]
+    assert vmap.ids.tolist() == sorted(needed | set(fillers))
+    assert len(vmap) == 128
+    with pytest.raises(ValueError, match="outside"):
+        vocab.build([np.array([151666])], mask_id=151665, vocab_size=151666)
+
+
+def test_save_and_load(tmp_path):
+    vmap = vocab.VocabMap([1, 5, 151665])
+    vmap.save(tmp_path / "m.json")
+    assert vocab.VocabMap.load(tmp_path / "m.json").ids.tolist() == [1, 5, 151665]
+    (tmp_path / "bad.json").write_text('{"qwen_ids": [5, 1]}')
+    with pytest.raises(ValueError, match=r"bad\.json: not a vocabulary map"):
+        vocab.VocabMap.load(tmp_path / "bad.json")
+
+
+def test_mapped_tokenizer_speaks_model_ids():
+    tok = load_tokenizer()
+    text = "<|im_start|>user\n12 + 30 = 42<|im_end|>"
+    qwen = tok.encode(text)
+    vmap = vocab.build([np.array(qwen)], tok.mask_id, len(tok))
+    mapped = vocab.MappedTokenizer(tok, vmap)
+    index = {int(q): m for m, q in enumerate(vmap.ids)}
+    assert mapped.encode(text) == [index[q] for q in qwen]
+    assert mapped.encode_batch([text, "42"]) == [[index[q] for q in qwen], [index[q] for q in tok.encode("42")]]
+    assert mapped.decode(mapped.encode(text), skip_special_tokens=False) == text
+    assert (mapped.pad_id, mapped.eos_id, mapped.mask_id) == (
+        index[ENDOFTEXT_ID], index[IM_END_ID], index[MASK_ID]
+    )
+    assert len(mapped) == len(vmap)
+    assert vocab.model_ids(mapped, [IM_END_ID]) == [index[IM_END_ID]]
+    assert vocab.qwen_ids(mapped, [index[IM_END_ID]]) == [IM_END_ID]
+    assert vocab.model_ids(tok, [IM_END_ID]) == vocab.qwen_ids(tok, [IM_END_ID]) == [IM_END_ID]
+    with pytest.raises(ValueError, match=r"token 'Tom' \(id 24732\) is not in this run's trimmed"):
+        mapped.encode("Tom 12")
+
+
+# ----------------------------------------------------------------------------------------------
+# A trimmed run.
+
+
+@pytest.fixture(scope="module")
+def trimmed(tmp_path_factory):
+    """A 2-step trimmed stage-1 run from scratch: (workdir, config)."""
+    workdir = str(tmp_path_factory.mktemp("runs") / "ar")
+    cfg = get_config("ar")
+    train.train(cfg, workdir)
+    return workdir, cfg
+
+
+def test_trimmed_run_keeps_the_data_ids(trimmed):
+    workdir, cfg = trimmed
+    tok = load_tokenizer()
+    ids = saved_ids(workdir)
+    train_ids = {i for x, _ in train.load_train_examples(cfg, tok) for i in x.tolist()}
+    eval_ids = set()
+    for prompt, answer in data.eval_examples("synthetic", num_examples=3, seed=cfg.seed + 1):
+        eval_ids |= set(tok.apply_chat_template(prompt, add_generation_prompt=True))
+        eval_ids |= set(tok.encode(answer))
+    needed = train_ids | eval_ids | CONTROL
+    assert needed <= set(ids) and ids == sorted(set(ids))
+    assert len(ids) == -(-len(needed) // 128) * 128  # the rest are filler rows
+    with open(os.path.join(workdir, "model.json")) as f:
+        assert json.load(f)["vocab_size"] == len(ids)
+    model, tok, step = wd.load_model(workdir)
+    assert step == 2 and isinstance(tok, vocab.MappedTokenizer)
+    assert model.embed_tokens.embedding[...].shape == (len(ids), cfg.model.hidden_size)
+
+
+def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
+    stage1, _ = trimmed
+    workdir = str(tmp_path / "mars")
+    cfg = get_config("mars", init_from=stage1, train__num_steps=1, train__learning_rate=0.0)
+    m = train.train(cfg, workdir)
+    assert saved_ids(workdir) == saved_ids(stage1)
+    # The clean half at step 1 is the stage-1 model's AR loss on the first batch, mapped here
+    # with a dict.
+    s1, _, _ = wd.load_model(stage1)
+    index = {q: i for i, q in enumerate(saved_ids(stage1))}
+    to_model = np.vectorize(lambda q: index.get(int(q), q))  # keeps IGNORE_INDEX
+    examples = [
+        (to_model(x).astype(np.int32), to_model(y).astype(np.int32))
+        for x, y in train.load_train_examples(cfg, load_tokenizer())
+    ]
+    batch = data.batched_dataset(
+        examples, batch_size=4, max_length=cfg.data.max_length, seed=cfg.seed,
+        pad_id=index[ENDOFTEXT_ID],
+    )[0]
+    obj = types.SimpleNamespace(
+        max_label_tokens=train_step.objective_settings(cfg, 0, examples).max_label_tokens,
+        normalization="sequence", ce_chunk_size=0,
+    )
+    ar, _ = objectives.ar_loss(s1, jax.tree.map(jnp.asarray, batch), obj)
+    assert m["clean_loss"] == pytest.approx(float(ar), rel=1e-5)
+
+
+def test_generate_returns_qwen_ids(trimmed):
+    workdir, cfg = trimmed
+    prompts = [p[-1]["content"] for p, _ in data.eval_examples("synthetic", num_examples=2, seed=1)]
+    results = generate.complete(workdir, prompts, threshold=0.9, max_new_tokens=6)
+    # Oracle: decode in model ids, mapping prompts and special ids in and tokens out by hand.
+    ids = saved_ids(workdir)
+    index = {q: i for i, q in enumerate(ids)}
+    tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
+    model, _, _ = wd.load_model(workdir)
+    prompt_ids = [
+        [index[q] for q in tok.apply_chat_template([{"role": "user", "content": p}], True)]
+        for p in prompts
+    ]
+    out = decode.generate(
+        model, *decode.pad_prompts(prompt_ids, index[ENDOFTEXT_ID]), block_size=4,
+        threshold=0.9, max_new_tokens=6, eos_ids=(index[IM_END_ID], index[ENDOFTEXT_ID]),
+        mask_id=index[MASK_ID],
+    )
+    expected = [[ids[m] for m in row] for row in out.completions()]
+    assert [r["tokens"] for r in results] == expected
+    assert [r["text"] for r in results] == [tok.decode(e) for e in expected]
+    with pytest.raises(ValueError, match=r"token 'Tom' \(id 24732\)"):
+        generate.complete(workdir, ["Tom has 3 apples."], max_new_tokens=2)
+
+
+def test_evaluate_a_trimmed_run(trimmed):
+    workdir, cfg = trimmed
+    report = evaluate.evaluate(cfg, workdir)
+    assert np.isfinite(report["ar_nll"])
+    prompts = [p[-1]["content"] for p, _ in data.eval_examples("synthetic", num_examples=3, seed=1)]
+    texts = [r["text"] for r in generate.complete(workdir, prompts, threshold=1.0, max_new_tokens=6)]
+    assert [e["completion"] for e in report["results"][0]["examples"]] == texts
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals.
+
+
+def test_trim_vocab_refused_with_a_hugging_face_or_untrimmed_init(trimmed, tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(settings.SettingError, match=r"^data.trim_vocab=True: .*Hugging Face"):
+        settings.check(get_config("mars", init_from=str(hf)))
+    untrimmed = tmp_path / "untrimmed"
+    untrimmed.mkdir()
+    (untrimmed / "model.json").write_text("{}")
+    with pytest.raises(settings.SettingError, match=r"^data.trim_vocab=True: .*untrimmed run"):
+        settings.check(get_config("mars", init_from=str(untrimmed)))
+    with pytest.raises(settings.SettingError, match=r"^data.trim_vocab=False: .*trimmed run"):
+        settings.check(get_config("mars", init_from=trimmed[0], data__trim_vocab=False))
+    settings.check(get_config("mars", init_from=trimmed[0]))  # a trimmed run continued: fine
+
+
+def test_export_of_a_trimmed_run_is_refused(trimmed, tmp_path):
+    out = tmp_path / "hf_out"
+    with pytest.raises(ValueError, match=r"trimmed vocabulary \(\d+ rows.*export is refused"):
+        export.export_run(trimmed[0], str(out))
+    assert not out.exists()
