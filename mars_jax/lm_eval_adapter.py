@@ -1,0 +1,204 @@
+r"""An lm-evaluation-harness (``lm_eval``, tested with 0.4.13) model named ``mars_jax``.
+
+Importing this module registers the model. lm_eval 0.4.13 has no plugin mechanism (it finds
+models only in its own registry), so its CLI reaches the model through this module's wrapper,
+which registers it and then runs ``lm_eval``'s own CLI with the same arguments:
+
+  python -m mars_jax.lm_eval_adapter --model mars_jax \
+      --model_args workdir=runs/tiny/mars,threshold=0.95 --batch_size 8 --tasks gsm8k
+
+From Python: ``import mars_jax.lm_eval_adapter`` then ``lm_eval.simple_evaluate(model="mars_jax",
+model_args="workdir=...,threshold=0.95", ...)``.
+
+Model arguments: ``workdir`` (a run directory, required), ``threshold`` (default 1.0: AR
+decoding), ``block_size`` (default: the run's), ``cache_mode``, ``rule`` (`mars_jax.decode`),
+``step`` (default: the latest checkpoint), ``seed`` (sampling, prompt i of a call gets
+seed + i), ``max_gen_toks`` (default 256), ``max_length`` (window of
+``loglikelihood_rolling``, default 2048); lm_eval's ``--batch_size`` (an integer) sets the rows
+per decoding or scoring batch; lm_eval's ``max_batch_size`` and ``device`` are accepted and
+ignored (devices are jax's).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import lm_eval.models  # noqa: F401  registers lm_eval's own models first (see `MarsLM`)
+import numpy as np
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import chunks, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from mars_jax import decode, workdir as wd
+from mars_jax.model import causal_mask
+
+log = logging.getLogger(__name__)
+
+# generate_until's generation kwargs after `normalize_gen_kwargs`; any other key is refused.
+_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(-(-n // multiple) * multiple, multiple)
+
+
+@jax.jit
+def _continuation_scores(model, ids, starts, targets):
+    """Plain causal (AR) forward over ids int32 [R, T] (right-padded); targets int32 [R, C] are
+    predicted at positions starts[r] .. starts[r] + C - 1 (int32 [R]). Returns (log-probs float32
+    [R, C] of the targets, greedy bool [R, C]: each target is the argmax there)."""
+    t = ids.shape[1]
+    hidden, _ = model(ids, jnp.broadcast_to(jnp.arange(t), ids.shape), causal_mask(t))
+    at = jnp.minimum(starts[:, None] + jnp.arange(targets.shape[1]), t - 1)
+    logits = model.logits(jnp.take_along_axis(hidden, at[..., None], axis=1))
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return picked, jnp.argmax(logp, axis=-1) == targets
+
+
+@register_model("mars_jax")
+class MarsLM(TemplateLM):
+    """A mars-jax run as an lm_eval model (module docstring for the arguments).
+
+    ``generate_until`` decodes each context (raw text; lm_eval renders the chat template first
+    with ``--apply_chat_template``, through `apply_chat_template`) with `decode.generate_batched`
+    at the run's threshold, then cuts the text at the first ``until`` string; ``max_gen_toks``
+    bounds the completion in tokens. ``loglikelihood`` sums the log-probabilities of the
+    continuation's tokens under the plain causal forward (the clean AR path, no masks) and says
+    whether greedy decoding would give them; lm_eval's `TemplateLM` splits the text into
+    context and continuation tokens. Accepted tokens per decoding forward, over all
+    ``generate_until`` calls so far, are logged and kept in ``tokens_per_forward``.
+
+    Raises FileNotFoundError for a workdir without a checkpoint, ValueError for a batch size
+    that is not a positive integer, and (in ``generate_until``) for an unsupported generation
+    kwarg or as `decode.generate` (e.g. a threshold outside (0, 1]).
+    """
+
+    def __init__(self, workdir: str, threshold: float = 1.0, block_size: int | None = None,
+                 cache_mode: str = "sliding", rule: str = "prob", step: int | None = None,
+                 seed: int = 0, max_gen_toks: int = 256, max_length: int = 2048,
+                 batch_size: int | str | None = None, max_batch_size=None, device=None):
+        super().__init__()
+        try:
+            self.batch_size = int(batch_size or 1)
+        except ValueError:
+            raise ValueError(f"mars_jax: batch_size must be an integer, got {batch_size!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"mars_jax: batch_size must be >= 1, got {batch_size!r}")
+        self.workdir = workdir
+        self.model, self.tokenizer, self.step = wd.load_model(workdir, step=step)
+        self.decode_kwargs = dict(
+            block_size=block_size or wd.trained_block_size(workdir), threshold=float(threshold),
+            cache_mode=cache_mode, rule=rule, mask_id=self.tokenizer.mask_id,
+        )
+        self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
+        self.accepted = self.forwards = 0
+        log.info("mars_jax: %s step %d, %s", workdir, self.step, self.decode_kwargs)
+
+    @property
+    def eot_token_id(self) -> int:
+        """<|im_end|>, the end of a chat turn."""
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """<|endoftext|>, the context of a request whose context is empty."""
+        return self.tokenizer.bos_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The run directory: names the chat template in lm_eval's request cache keys."""
+        return self.workdir
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Accepted tokens per decoding forward over all `generate_until` calls (0.0 before)."""
+        return self.accepted / max(self.forwards, 1)
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt=True) -> str:
+        """``chat_history`` rendered by the run's chat template (a str)."""
+        return self.tokenizer.render_chat(chat_history, add_generation_prompt)
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        """The token ids of ``string`` (no BOS/EOS added; written control tokens become ids)."""
+        return self.tokenizer.encode(string)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False):
+        """[(log-prob float, greedy bool)] per ((context, continuation), context ids,
+        continuation ids) request (context ids non-empty)."""
+        results = []
+        for batch in chunks(requests, self.batch_size):
+            seqs = [(ctx + cont)[:-1] for _, ctx, cont in batch]
+            ids = np.full((self.batch_size, _round_up(max(map(len, seqs)), 64)),
+                          self.tokenizer.pad_id, np.int32)
+            targets = np.zeros((self.batch_size, _round_up(max(len(c) for *_, c in batch), 8)),
+                               np.int32)
+            starts = np.zeros((self.batch_size,), np.int32)
+            for r, ((_, ctx, cont), seq) in enumerate(zip(batch, seqs)):
+                ids[r, : len(seq)], targets[r, : len(cont)], starts[r] = seq, cont, len(ctx) - 1
+            logp, greedy = jax.device_get(_continuation_scores(self.model, ids, starts, targets))
+            for r, (pair, _, cont) in enumerate(batch):
+                n = len(cont)
+                result = (float(logp[r, :n].sum(dtype=np.float64)), bool(greedy[r, :n].all()))
+                self.cache_hook.add_partial("loglikelihood", pair, result)
+                results.append(result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """The log-probability of each request's text after <|endoftext|>, scored in windows of
+        at most ``max_length`` tokens (lm_eval's rolling windows)."""
+        results = []
+        for (text,) in (r.args for r in requests):
+            windows = [
+                ((text, ""), ctx, cont)
+                for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    self.tok_encode(text), self.prefix_token_id, self.max_length, 1))
+            ]
+            results.append(sum(logp for logp, _ in self._loglikelihood_tokens(windows)))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), results[-1])
+        return results
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """One completion (str) per (context, generation kwargs) request, decoded greedily
+        (or sampled where the kwargs ask for a temperature > 0) and cut at ``until``."""
+        settings = [normalize_gen_kwargs(r.args[1], self.max_gen_toks) for r in requests]
+        by_temperature: dict[float, list[int]] = {}
+        for i, s in enumerate(settings):
+            if unknown := sorted(set(s) - _GEN_KWARGS):
+                raise ValueError(f"mars_jax: request {i}: unsupported generation kwargs {unknown}")
+            temperature = float(s.get("temperature", 0.0)) if s["do_sample"] else 0.0
+            by_temperature.setdefault(temperature, []).append(i)
+        texts = [""] * len(requests)
+        for temperature, rows in by_temperature.items():
+            prompts = [self.tok_encode(requests[i].args[0]) or [self.prefix_token_id]
+                       for i in rows]
+            out = decode.generate_batched(
+                self.model, prompts, batch_size=self.batch_size, pad_id=self.tokenizer.pad_id,
+                seed=self.seed, temperature=temperature,
+                max_new_tokens=max(settings[i]["max_gen_toks"] for i in rows),
+                **self.decode_kwargs,
+            )
+            self.accepted += int(out.accepted.sum())
+            self.forwards += int(out.row_forwards.sum())
+            for i, tokens in zip(rows, out.completions()):
+                text = self.tokenizer.decode(tokens[: settings[i]["max_gen_toks"]])
+                texts[i] = postprocess_generated_text(text, settings[i]["until"], None)
+                self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])
+        log.info("mars_jax: %.3f tokens per forward so far (threshold %.2f)",
+                 self.tokens_per_forward, self.decode_kwargs["threshold"])
+        return texts
+
+
+def main() -> None:
+    """``python -m mars_jax.lm_eval_adapter ARGS``: lm_eval's CLI (``lm_eval ARGS``) with the
+    ``mars_jax`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

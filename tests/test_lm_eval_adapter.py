@@ -1,0 +1,185 @@
+"""The lm-evaluation-harness model `mars_jax.lm_eval_adapter.MarsLM`, offline.
+
+A random tiny model with the real Qwen2.5 token ids, saved as checkpoint step 2 of a run
+trained with block size 4: its log-likelihoods equal transformers' on the exported model (with
+transformers' tokenizer and lm_eval's documented split of context and continuation);
+``generate_until`` at threshold 1.0 equals our greedy AR decoding cut at the first stop string;
+the ``lm_eval`` CLI, reached through the adapter's wrapper, runs a local GSM8K-style task.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from lm_eval.api.instance import Instance
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from decode_oracles import make_model
+from mars_jax import decode, huggingface, sharding
+from mars_jax import workdir as wd
+from mars_jax.lm_eval_adapter import MarsLM
+from mars_jax.tokenizer import load_tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+PREFIX = 151643  # <|endoftext|>: the context of an empty-context request
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory holding a random model as checkpoint step 2 (block size 4)."""
+    workdir = str(tmp_path_factory.mktemp("run"))
+    model = make_model(scale=30.0)
+    run_config = {"objective": {"block_size": 4}, "mesh": {"rules": dict(sharding.DEFAULT_RULES)}}
+    wd.write_run_files(workdir, json.dumps(run_config), model.cfg, load_tokenizer(None))
+    with wd.Checkpoints(workdir) as checkpoints:
+        opt_state = {"count": jnp.zeros((), jnp.int32)}
+        checkpoints.save(2, wd.TrainState(nnx.state(model, nnx.Param), opt_state, 0))
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def lm(run_dir):
+    return MarsLM(workdir=run_dir, threshold=1.0, batch_size=2, max_gen_toks=12)
+
+
+def _oracle_loglikelihood(hf, hf_tok, context, continuation):
+    """lm_eval's rule written out: trailing whitespace of the context moves to the
+    continuation; continuation ids are those of context + continuation past the context's;
+    an empty context is <|endoftext|>. Scored by transformers."""
+    if context:
+        stripped = context.rstrip()
+        continuation, context = context[len(stripped) :] + continuation, stripped
+        ctx = hf_tok(context, add_special_tokens=False).input_ids
+        cont = hf_tok(context + continuation, add_special_tokens=False).input_ids[len(ctx) :]
+    else:
+        ctx, cont = [PREFIX], hf_tok(continuation, add_special_tokens=False).input_ids
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=ids).logits[0].double(), dim=-1)
+    rows = logp[len(ctx) - 1 : len(ctx) + len(cont) - 1]
+    picked = rows[torch.arange(len(cont)), torch.tensor(cont)]
+    return float(picked.sum()), bool((rows.argmax(-1) == torch.tensor(cont)).all())
+
+
+def test_loglikelihood_equals_transformers_on_the_export(lm, run_dir, tmp_path):
+    huggingface.export_hf(lm.model, str(tmp_path / "export"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    hf_tok = AutoTokenizer.from_pretrained(os.path.join(run_dir, "tokenizer"))
+    context = "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:"
+    # A continuation the model would decode greedily: its argmax token after the context.
+    ids = torch.tensor([hf_tok(context, add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        greedy_id = int(hf.eval()(input_ids=ids).logits[0, -1].argmax())
+    pairs = [
+        (context, " 7"),
+        (context + " ", "7 apples in all.\n#### 7"),  # the trailing space moves
+        ("", "Natalia sold clips"),  # empty context
+        (context, hf_tok.decode([greedy_id])),
+    ]
+    expected = [_oracle_loglikelihood(hf, hf_tok, c, x) for c, x in pairs]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    np.testing.assert_allclose([g[0] for g in got], [e[0] for e in expected], rtol=1e-4)
+    assert [g[1] for g in got] == [e[1] for e in expected]
+    assert expected[-1][1] and not expected[1][1]  # both answers occur
+
+
+def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
+    tok = lm.tokenizer
+    contexts = ["Question: What is 12 * 7?\nAnswer:", "<|im_start|>user\nHi<|im_end|>\n", "2+2="]
+    ar = decode.generate_batched(
+        lm.model, [tok.encode(c) for c in contexts], batch_size=3, block_size=1,
+        threshold=1.0, max_new_tokens=12,
+    ).completions()
+    texts = [tok.decode(t) for t in ar]
+    stop = texts[0][len(texts[0]) // 2 :][:2]  # a string from the middle of the first text
+    requests = [
+        (contexts[0], {"until": [stop], "do_sample": False}),
+        (contexts[1], {"until": ["never appears"], "max_gen_toks": 5}),
+        (contexts[2], {"until": [stop, texts[2][3:5]], "temperature": 0.0}),
+    ]
+    got = lm.generate_until([Instance("generate_until", {}, r, i) for i, r in enumerate(requests)])
+
+    def cut(text, stops):
+        return text[: min([text.find(s) for s in stops if s in text] or [len(text)])]
+
+    assert got == [cut(texts[0], [stop]), tok.decode(ar[1][:5]), cut(texts[2], requests[2][1]["until"])]
+    assert len(got[0]) < len(texts[0]) and len(got[2]) < len(texts[2])  # both were cut
+    assert lm.tokens_per_forward == 1.0
+
+
+def test_generate_until_refuses_unknown_generation_kwargs(lm):
+    with pytest.raises(ValueError, match=r"request 0: unsupported generation kwargs \['top_p'\]"):
+        lm.generate_until([Instance("generate_until", {}, ("2+2=", {"top_p": 0.9}), 0)])
+
+
+TASK_YAML = """\
+task: gsm8k_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: generate_until
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+generation_kwargs:
+  until: ["Question:", "<|im_end|>"]
+  do_sample: false
+  max_gen_toks: 8
+num_fewshot: 0
+filter_list:
+  - name: strict-match
+    filter:
+      - function: regex
+        regex_pattern: "#### (\\\\-?[0-9\\\\.\\\\,]+)"
+      - function: take_first
+metadata:
+  version: 1.0
+"""
+
+
+def test_lm_eval_cli_runs_a_local_gsm8k_task(lm, run_dir, tmp_path):
+    source = SHARED_DATA / "gsm8k" / "test.jsonl"
+    if not source.exists():
+        pytest.skip(f"{source} not found")
+    rows = source.read_text().splitlines()[:5]
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "gsm8k_local.yaml").write_text(
+        TASK_YAML.format(data=tmp_path / "gsm8k.jsonl")
+    )
+    env = {
+        **os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"),
+        "JAX_PLATFORMS": "cpu",
+    }
+    subprocess.run(
+        [sys.executable, "-m", "mars_jax.lm_eval_adapter", "--model", "mars_jax",
+         "--model_args", f"workdir={run_dir},threshold=1.0", "--batch_size", "2",
+         "--tasks", "gsm8k_local", "--include_path", str(tmp_path / "tasks"), "--limit", "3",
+         "--output_path", str(tmp_path / "out"), "--log_samples"],
+        env=env, check=True, timeout=420, capture_output=True, text=True,
+    )
+    (results,) = (tmp_path / "out").glob("*/results_*.json")
+    report = json.loads(results.read_text())
+    assert report["n-samples"]["gsm8k_local"] == {"original": 5, "effective": 3}
+    score = report["results"]["gsm8k_local"]["exact_match,strict-match"]
+    assert 0.0 <= score <= 1.0
+    (samples_file,) = (tmp_path / "out").glob("*/samples_gsm8k_local_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert [s["doc_id"] for s in samples] == [0, 1, 2]
+    # Each logged response is what the adapter generates for that prompt in this process.
+    requests = [Instance("generate_until", {}, tuple(s["arguments"]["gen_args_0"].values()), i)
+                for i, s in enumerate(samples)]
+    assert [s["resps"][0][0] for s in samples] == lm.generate_until(requests)
