@@ -60,23 +60,31 @@ def _oracle_loglikelihood(hf, hf_tok, context, continuation):
         cont = hf_tok(context + continuation, add_special_tokens=False).input_ids[len(ctx) :]
     else:
         ctx, cont = [PREFIX], hf_tok(continuation, add_special_tokens=False).input_ids
-    ids = torch.tensor([ctx + cont])
-    with torch.no_grad():
-        logp = torch.log_softmax(hf(input_ids=ids).logits[0].double(), dim=-1)
-    rows = logp[len(ctx) - 1 : len(ctx) + len(cont) - 1]
+    rows = _logprobs(hf, ctx + cont)[len(ctx) - 1 : len(ctx) + len(cont) - 1]
     picked = rows[torch.arange(len(cont)), torch.tensor(cont)]
     return float(picked.sum()), bool((rows.argmax(-1) == torch.tensor(cont)).all())
 
 
-def test_loglikelihood_equals_transformers_on_the_export(lm, run_dir, tmp_path):
-    huggingface.export_hf(lm.model, str(tmp_path / "export"))
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
-    hf_tok = AutoTokenizer.from_pretrained(os.path.join(run_dir, "tokenizer"))
+@pytest.fixture(scope="module")
+def oracle(lm, run_dir, tmp_path_factory):
+    """(transformers model exported from the run's model, transformers' tokenizer of the run)."""
+    out = str(tmp_path_factory.mktemp("export"))
+    huggingface.export_hf(lm.model, out)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return hf, AutoTokenizer.from_pretrained(os.path.join(run_dir, "tokenizer"))
+
+
+def _logprobs(hf, ids):
+    """float64 [T, V] log-probabilities of transformers' forward over ids (a list)."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+def test_loglikelihood_equals_transformers_on_the_export(lm, oracle):
+    hf, hf_tok = oracle
     context = "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:"
     # A continuation the model would decode greedily: its argmax token after the context.
-    ids = torch.tensor([hf_tok(context, add_special_tokens=False).input_ids])
-    with torch.no_grad():
-        greedy_id = int(hf.eval()(input_ids=ids).logits[0, -1].argmax())
+    greedy_id = int(_logprobs(hf, hf_tok(context, add_special_tokens=False).input_ids)[-1].argmax())
     pairs = [
         (context, " 7"),
         (context + " ", "7 apples in all.\n#### 7"),  # the trailing space moves
@@ -88,6 +96,34 @@ def test_loglikelihood_equals_transformers_on_the_export(lm, run_dir, tmp_path):
     np.testing.assert_allclose([g[0] for g in got], [e[0] for e in expected], rtol=1e-4)
     assert [g[1] for g in got] == [e[1] for e in expected]
     assert expected[-1][1] and not expected[1][1]  # both answers occur
+
+
+def test_loglikelihood_rolling_scores_every_token_once_in_windows(lm, oracle, monkeypatch):
+    hf, hf_tok = oracle
+    text = "Natalia sold clips to 48 of her friends in April, and then she sold half as many."
+    tokens = hf_tok(text, add_special_tokens=False).input_ids
+    seq, window = [PREFIX] + tokens, 8
+    assert len(tokens) > 2 * window
+    # lm_eval's documented windows: token j (seq[j + 1]) is predicted once, in chunks of
+    # `window` predictions; a chunk ending at prediction b reads the `window` inputs before it.
+    expected = 0.0
+    for a in range(0, len(tokens), window):
+        b = min(a + window, len(tokens))
+        start = max(0, b - window)
+        logp = _logprobs(hf, seq[start:b])
+        expected += sum(float(logp[j - start, seq[j + 1]]) for j in range(a, b))
+    monkeypatch.setattr(lm, "max_length", window)
+    request = Instance("loglikelihood_rolling", {}, (text,), 0)
+    np.testing.assert_allclose(lm.loglikelihood_rolling([request]), [expected], rtol=1e-4)
+
+
+def test_chat_template_is_the_runs_as_transformers_renders_it(lm, oracle):
+    _, hf_tok = oracle
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert lm.apply_chat_template(history) == hf_tok.apply_chat_template(
+        history, tokenize=False, add_generation_prompt=True
+    )
+    assert lm.chat_template(True) == hf_tok.chat_template
 
 
 def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
