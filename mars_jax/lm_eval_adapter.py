@@ -35,7 +35,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from mars_jax import decode, workdir as wd
 from mars_jax.model import causal_mask
 
-log = logging.getLogger(__name__)
+# Under lm_eval's logger, which its CLI shows at INFO (it leaves other loggers alone).
+log = logging.getLogger("lm_eval.models.mars_jax")
 
 # generate_until's generation kwargs after `normalize_gen_kwargs`; any other key is refused.
 _GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
@@ -70,7 +71,8 @@ class MarsLM(TemplateLM):
     continuation's tokens under the plain causal forward (the clean AR path, no masks) and says
     whether greedy decoding would give them; lm_eval's `TemplateLM` splits the text into
     context and continuation tokens. Accepted tokens per decoding forward, over all
-    ``generate_until`` calls so far, are logged and kept in ``tokens_per_forward``.
+    ``generate_until`` calls so far, are logged, kept in ``tokens_per_forward`` and written into
+lm_eval's results (`get_model_info`).
 
     Raises FileNotFoundError for a workdir without a checkpoint, ValueError for a batch size
     that is not a positive integer, and (in ``generate_until``) for an unsupported generation
@@ -117,6 +119,14 @@ class MarsLM(TemplateLM):
     def tokens_per_forward(self) -> float:
         """Accepted tokens per decoding forward over all `generate_until` calls (0.0 before)."""
         return self.accepted / max(self.forwards, 1)
+
+    def get_model_info(self) -> dict:
+        """What lm_eval adds to its results' ``config``: the run, the decoding settings and the
+        tokens per forward of all ``generate_until`` calls (accepted tokens, EOS included, per
+        decoding forward; prefill not counted; 0.0 without generation requests)."""
+        return {"workdir": self.workdir, "step": self.step, **self.decode_kwargs,
+                "tokens_per_forward": self.tokens_per_forward,
+                "decoded_tokens": self.accepted, "decoding_forwards": self.forwards}
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt=True) -> str:
         """``chat_history`` rendered by the run's chat template (a str)."""

@@ -212,6 +212,10 @@ def test_lm_eval_cli_runs_a_local_gsm8k_task(lm, run_dir, tmp_path):
     assert report["n-samples"]["gsm8k_local"] == {"original": 5, "effective": 3}
     score = report["results"]["gsm8k_local"]["exact_match,strict-match"]
     assert 0.0 <= score <= 1.0
+    config = report["config"]  # the adapter's get_model_info
+    assert (config["model"], config["step"], config["block_size"]) == ("mars_jax", 2, 4)
+    assert config["threshold"] == config["tokens_per_forward"] == 1.0
+    assert config["decoded_tokens"] == config["decoding_forwards"] > 0
     (samples_file,) = (tmp_path / "out").glob("*/samples_gsm8k_local_*.jsonl")
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert [s["doc_id"] for s in samples] == [0, 1, 2]
