@@ -25,7 +25,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import lm_eval.models  # noqa: F401  registers lm_eval's own models first (see `MarsLM`)
+import lm_eval.models  # noqa: F401  lm_eval's own models: it adds them only to an empty registry
 import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -43,6 +43,7 @@ _GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
 
 
 def _round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (at least one): fewer shapes to compile."""
     return max(-(-n // multiple) * multiple, multiple)
 
 
