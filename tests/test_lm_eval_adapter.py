@@ -35,7 +35,7 @@ PREFIX = 151643  # <|endoftext|>: the context of an empty-context request
 def run_dir(tmp_path_factory):
     """A run directory holding a random model as checkpoint step 2 (block size 4)."""
     workdir = str(tmp_path_factory.mktemp("run"))
-    model = make_model(scale=30.0)
+    model = make_model(scale=300.0)  # confident enough that threshold 0.3 accepts several
     run_config = {"objective": {"block_size": 4}, "mesh": {"rules": dict(sharding.DEFAULT_RULES)}}
     wd.write_run_files(workdir, json.dumps(run_config), model.cfg, load_tokenizer(None))
     with wd.Checkpoints(workdir) as checkpoints:
@@ -145,9 +145,25 @@ def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
     def cut(text, stops):
         return text[: min([text.find(s) for s in stops if s in text] or [len(text)])]
 
-    assert got == [cut(texts[0], [stop]), tok.decode(ar[1][:5]), cut(texts[2], requests[2][1]["until"])]
+    until = [[stop], None, requests[2][1]["until"]]
+    assert got == [cut(texts[0], until[0]), tok.decode(ar[1][:5]), cut(texts[2], until[2])]
     assert len(got[0]) < len(texts[0]) and len(got[2]) < len(texts[2])  # both were cut
     assert lm.tokens_per_forward == 1.0
+
+
+def test_generate_until_decodes_at_the_threshold_and_block_size_of_the_run(run_dir):
+    lm = MarsLM(workdir=run_dir, threshold=0.3, batch_size=2, max_gen_toks=12)
+    contexts = ["Question: What is 12 * 7?\nAnswer:", "2+2="]
+    out = decode.generate_batched(
+        lm.model, [lm.tokenizer.encode(c) for c in contexts], batch_size=2, block_size=4,
+        threshold=0.3, max_new_tokens=12,
+    )
+    requests = [
+        Instance("generate_until", {}, (c, {"until": []}), i) for i, c in enumerate(contexts)
+    ]
+    assert lm.generate_until(requests) == [lm.tokenizer.decode(t) for t in out.completions()]
+    assert lm.tokens_per_forward == out.tokens_per_forward > 1.0
+    assert lm.get_model_info()["decoded_tokens"] == out.accepted.sum()
 
 
 def test_generate_until_refuses_unknown_generation_kwargs(lm):
