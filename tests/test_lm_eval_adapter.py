@@ -7,6 +7,7 @@ transformers' tokenizer and lm_eval's documented split of context and continuati
 the ``lm_eval`` CLI, reached through the adapter's wrapper, runs a local GSM8K-style task.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,27 +22,32 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decode_oracles import make_model
-from mars_jax import decode, huggingface, sharding
+from decode_oracles import CFG, make_model, swap_head_columns
+from mars_jax import decode, huggingface, sharding, vocab
 from mars_jax import workdir as wd
 from mars_jax.lm_eval_adapter import MarsLM
-from mars_jax.tokenizer import load_tokenizer
+from mars_jax.model import Qwen2
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-PREFIX = 151643  # <|endoftext|>: the context of an empty-context request
+PREFIX = ENDOFTEXT_ID  # the context of an empty-context request
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A run directory holding a random model as checkpoint step 2 (block size 4)."""
-    workdir = str(tmp_path_factory.mktemp("run"))
-    model = make_model(scale=300.0)  # confident enough that threshold 0.3 accepts several
+def write_run(workdir: str, model) -> str:
+    """Saves ``model`` as checkpoint step 2 of a run trained with block size 4."""
     run_config = {"objective": {"block_size": 4}, "mesh": {"rules": dict(sharding.DEFAULT_RULES)}}
     wd.write_run_files(workdir, json.dumps(run_config), model.cfg, load_tokenizer(None))
     with wd.Checkpoints(workdir) as checkpoints:
         opt_state = {"count": jnp.zeros((), jnp.int32)}
         checkpoints.save(2, wd.TrainState(nnx.state(model, nnx.Param), opt_state, 0))
     return workdir
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory holding a random model (confident enough that threshold 0.3 accepts
+    several tokens per forward)."""
+    return write_run(str(tmp_path_factory.mktemp("run")), make_model(scale=300.0))
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +170,36 @@ def test_generate_until_decodes_at_the_threshold_and_block_size_of_the_run(run_d
     assert lm.generate_until(requests) == [lm.tokenizer.decode(t) for t in out.completions()]
     assert lm.tokens_per_forward == out.tokens_per_forward > 1.0
     assert lm.get_model_info()["decoded_tokens"] == out.accepted.sum()
+
+
+def test_a_trimmed_run_decodes_in_its_ids_and_stops_at_its_eos(tmp_path):
+    tok = load_tokenizer(None)
+    context = "Question: What is 12 * 7?\nAnswer:"
+    controls = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
+    kept = sorted(set(tok.encode(context)) | controls | set(range(100)))
+    index = {q: m for m, q in enumerate(kept)}  # Qwen id -> model row, by hand
+    prompt = np.asarray([[index[i] for i in tok.encode(context)]])
+    ar = dict(block_size=1, threshold=1.0, max_new_tokens=12, mask_id=index[MASK_ID],
+              eos_ids=(index[IM_END_ID], index[ENDOFTEXT_ID]))
+
+    def greedy(model):
+        return decode.generate(model, prompt, [prompt.shape[1]], **ar).completions()[0]
+
+    # A random model whose greedy text runs past 3 tokens (small vocabularies often stop early).
+    for seed in range(20):
+        model = Qwen2(dataclasses.replace(CFG, vocab_size=len(kept)), rngs=nnx.Rngs(seed))
+        model.norm.weight[...] = model.norm.weight[...] * 300.0
+        if len(plain := greedy(model)) > 3:
+            break
+    # The model's <|im_end|> row becomes its 4th greedy token (and any earlier equal one).
+    model = swap_head_columns(model, plain[3], index[IM_END_ID])
+    expected = greedy(model)
+    assert len(expected) <= 3 < len(plain)
+    workdir = write_run(str(tmp_path), model)
+    wd.write_vocab_map(workdir, vocab.VocabMap(kept))
+    lm = MarsLM(workdir=workdir, threshold=1.0, max_gen_toks=12)
+    got = lm.generate_until([Instance("generate_until", {}, (context, {"until": []}), 0)])
+    assert got == [tok.decode([kept[m] for m in expected])]
 
 
 def test_generate_until_refuses_unknown_generation_kwargs(lm):
