@@ -143,6 +143,10 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
             t.batch_size,
             f"must be divisible by train.grad_accum_steps={t.grad_accum_steps}",
         )
+    if t.max_to_keep < 1:
+        raise SettingError("train.max_to_keep", t.max_to_keep, "must be >= 1")
+    if t.keep_every < 0:
+        raise SettingError("train.keep_every", t.keep_every, "must be >= 0 (0: none)")
     if d.source not in SOURCES:
         raise SettingError("data.source", d.source, f"must be one of {SOURCES}")
     if d.source != "synthetic":
