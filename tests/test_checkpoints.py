@@ -18,7 +18,7 @@ from flax import nnx
 
 from mars_jax import settings, train
 from mars_jax import workdir as wd
-from train_runs import ROOT, cli_flags, get_config, subprocess_env
+from train_runs import ROOT, cli_flags, flat_params, get_config, subprocess_env
 
 
 def tiny_state(seed: int) -> wd.TrainState:
@@ -166,3 +166,81 @@ def test_fallback_without_an_earlier_step_raises(tmp_path):
 def test_bad_retention_settings(key, value):
     with pytest.raises(settings.SettingError, match=f"^{key}={value}: must be >= "):
         settings.check(get_config("ar", **{key.replace(".", "__"): value}))
+
+
+# ----------------------------------------------------------------------------------------------
+# kill -9 of `python -m mars_jax.train`, then the same command again.
+
+KILL_STEPS = 8
+KILL_FLAGS = [f"--config.train.num_steps={KILL_STEPS}", "--config.train.save_every=2"]
+TIMEOUT_S = 300
+
+
+def train_command(workdir):
+    return [sys.executable, "-m", "mars_jax.train", "--config=configs/tiny.py",
+            f"--workdir={workdir}", *cli_flags(), *KILL_FLAGS]
+
+
+def run_until(workdir, log, event=None) -> int:
+    """Runs the train command in ``workdir`` (stderr to ``log``) to its end, or sends it
+    SIGKILL as soon as ``event()`` holds (polled every 2 ms; it must still be running then).
+    Returns the exit status."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(train_command(workdir), cwd=ROOT, env=subprocess_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + TIMEOUT_S
+    try:
+        while event is not None and not event():
+            assert proc.poll() is None, open(log).read()[-3000:]
+            assert time.time() < deadline, "the kill event never came"
+            time.sleep(0.002)
+        if event is not None:
+            proc.send_signal(signal.SIGKILL)
+        return proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_kill_9_during_a_save_and_between_steps_then_resume(tmp_path):
+    """SIGKILL while the step-4 save is in flight, then (rerun) once step 5 is logged; the third
+    run ends with the parameters, data position and losses of an uninterrupted run, bitwise."""
+    straight = str(tmp_path / "straight")
+    train.train(get_config("ar", train__num_steps=KILL_STEPS, train__save_every=2), straight)
+
+    workdir = str(tmp_path / "killed")
+    base = os.path.join(workdir, "checkpoints")
+    in_flight = lambda: glob.glob(f"{base}/4.orbax-checkpoint-tmp*")  # noqa: E731
+    assert run_until(workdir, tmp_path / "run1.log", in_flight) == -signal.SIGKILL
+    assert in_flight() and committed(workdir) == [2]  # killed during the save of step 4
+
+    log2 = tmp_path / "run2.log"
+    logged_5 = lambda: f"step 5/{KILL_STEPS} " in log2.read_text()  # noqa: E731
+    assert run_until(workdir, log2, logged_5) == -signal.SIGKILL
+    assert f"resuming {workdir} from its checkpoint of step 2" in log2.read_text()
+    last = committed(workdir)[-1]  # 4, or still 2 if the step-4 save was cut short again
+    assert last in (2, 4)
+
+    log3 = tmp_path / "run3.log"
+    assert run_until(workdir, log3) == 0, log3.read_text()[-3000:]
+    assert f"resuming {workdir} from its checkpoint of step {last}" in log3.read_text()
+    assert not glob.glob(f"{base}/*.orbax-checkpoint-tmp*")
+
+    a, _, step_a = wd.load_model(workdir)
+    b, _, step_b = wd.load_model(straight)
+    assert step_a == step_b == KILL_STEPS
+    pa, pb = flat_params(a), flat_params(b)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        assert np.array_equal(pa[key], pb[key]), key
+    for run in (workdir, straight):
+        with open(os.path.join(run, "checkpoints", str(KILL_STEPS), "data", "metadata")) as f:
+            assert json.load(f) == {"next_batch": KILL_STEPS}
+    resumed, expected = read_metrics(workdir), read_metrics(straight)
+    assert [m["step"] for m in resumed] == list(range(1, KILL_STEPS + 1))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in expected]

@@ -24,7 +24,7 @@ from mars_jax import data, decode, evaluate, export, generate, objectives, train
 from mars_jax import workdir as wd
 from mars_jax.model import Qwen2, causal_mask
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
-from train_runs import LR, ROOT, cli_flags, get_config, subprocess_env
+from train_runs import LR, ROOT, cli_flags, flat_params, get_config, subprocess_env
 
 
 def run_cli(module, *args, check=True):
@@ -44,11 +44,6 @@ def run_cli(module, *args, check=True):
 def read_metrics(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def flat_params(model):
-    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
 def assert_same_params(a, b, atol=1e-6):

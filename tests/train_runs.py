@@ -6,6 +6,10 @@ import importlib.util
 import os
 from pathlib import Path
 
+import jax
+import numpy as np
+from flax import nnx
+
 ROOT = Path(__file__).resolve().parents[1]
 LR = 3e-3
 # Tiny overrides, applied in-process and as --config.<key>=<value> on the command lines.
@@ -56,3 +60,9 @@ def cli_flags():
 def subprocess_env():
     """This environment with the repository first on PYTHONPATH."""
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def flat_params(model):
+    """{path: numpy array} of the parameters of an NNX ``model``."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
