@@ -10,8 +10,8 @@ From Python: ``train.train(config, workdir)`` with a ``ConfigDict`` (e.g.
 A restart with the same workdir resumes from its latest committed checkpoint (parameters,
 optimizer state and data position), also after a hard kill (see `workdir.Checkpoints`); a
 checkpoint whose files fail their checksums stops the run, or with ``train.restore_fallback``
-is set aside for the previous one. ``init_from`` starts a fresh run from a Hugging Face directory or from the
-latest checkpoint of another run's workdir (stage 2 from stage 1).
+is set aside for the previous one. ``init_from`` starts a fresh run from a Hugging Face
+directory or from the latest checkpoint of another run's workdir (stage 2 from stage 1).
 
 Preemption: SIGTERM (a TPU VM's or a scheduler's notice) or SIGINT (Ctrl-C) stops the run after
 the step in progress: it saves that step (as a regular save), waits for the write, logs which

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -173,6 +174,18 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _file_problem(path: str, digest: str, size: int) -> str | None:
+    """What is wrong with file ``path`` given its SHA-256 hex ``digest`` and ``size`` in bytes
+    when saved, or None."""
+    if not os.path.exists(path):
+        return "missing"
+    if os.path.getsize(path) != size:
+        return f"{os.path.getsize(path)} bytes, {size} when saved (truncated?)"
+    if _sha256(path) != digest:
+        return "SHA-256 differs from the one written at save (corrupted)"
+    return None
+
+
 def write_checksums(step_dir: str) -> None:
     """Writes ``step_dir/sha256.json``: {path relative to ``step_dir``: [SHA-256 hex, bytes]} for
     every file of the Orbax items (subdirectories) of the step. Orbax's own ``commit_success.txt``
@@ -257,24 +270,17 @@ class Checkpoints:
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(step, manifest, f"unreadable checksums ({e})") from e
         names = sorted(n for n in sums if n.split(os.sep)[0] in items)
-        reasons = {}
-        for name in names[jax.process_index():: jax.process_count()]:
-            path, (digest, size) = os.path.join(step_dir, name), sums[name]
-            if not os.path.exists(path):
-                reasons[name] = "missing"
-            elif os.path.getsize(path) != size:
-                reasons[name] = f"{os.path.getsize(path)} bytes, {size} when saved (truncated?)"
-            elif _sha256(path) != digest:
-                reasons[name] = "SHA-256 differs from the one written at save (corrupted)"
-            if name in reasons:
+        first, reason = len(names), "failed its check on another process"
+        for i in range(jax.process_index(), len(names), jax.process_count()):
+            reason = _file_problem(os.path.join(step_dir, names[i]), *sums[names[i]])
+            if reason:
+                first = i
                 break
-        first = names.index(next(iter(reasons))) if reasons else len(names)
-        if jax.process_count() > 1:
-            first = int(np.min(multihost_utils.process_allgather(np.int32(first))))
+        if jax.process_count() > 1:  # the first bad file of any process, on every process
+            mine, first = first, int(np.min(multihost_utils.process_allgather(np.int32(first))))
+            reason = reason if first == mine else "failed its check on another process"
         if first < len(names):
-            name = names[first]
-            reason = reasons.get(name, "failed its checksum on another process (see its log)")
-            raise CheckpointError(step, os.path.join(step_dir, name), reason)
+            raise CheckpointError(step, os.path.join(step_dir, names[first]), reason)
 
     def restore_latest(self, abstract: TrainState, *, fallback: bool = False):
         """The newest committed step restored as in `restore`: returns (TrainState, step), or
@@ -301,8 +307,8 @@ class Checkpoints:
         every process waits for it) and rereads the steps."""
         if jax.process_index() == 0:
             target = os.path.join(self.workdir, "corrupt_checkpoints", str(step))
-            if os.path.exists(target):
-                target += f".{len(glob.glob(target + '*'))}"
+            if os.path.exists(target):  # set aside before: keep both
+                target += f".{time.time_ns()}"
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.move(os.path.join(str(self._manager.directory), str(step)), target)
         if jax.process_count() > 1:

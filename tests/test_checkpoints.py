@@ -5,6 +5,8 @@ import glob
 import hashlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,12 +209,39 @@ def read_metrics(workdir):
         return [json.loads(line) for line in f]
 
 
-def test_kill_9_during_a_save_and_between_steps_then_resume(tmp_path):
+def kill_config(**extra):
+    return get_config("ar", train__num_steps=KILL_STEPS, train__save_every=2, **extra)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The workdir of the KILL_STEPS-step run straight through (in-process)."""
+    workdir = str(tmp_path_factory.mktemp("runs") / "straight")
+    train.train(kill_config(), workdir)
+    return workdir
+
+
+def assert_same_run(workdir, straight):
+    """``workdir`` ends with the parameters (bitwise), data position and losses of
+    ``straight``."""
+    a, _, step_a = wd.load_model(workdir)
+    b, _, step_b = wd.load_model(straight)
+    assert step_a == step_b == KILL_STEPS
+    pa, pb = flat_params(a), flat_params(b)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        assert np.array_equal(pa[key], pb[key]), key
+    for run in (workdir, straight):
+        with open(os.path.join(run, "checkpoints", str(KILL_STEPS), "data", "metadata")) as f:
+            assert json.load(f) == {"next_batch": KILL_STEPS}
+    resumed, expected = read_metrics(workdir), read_metrics(straight)
+    assert [m["step"] for m in resumed] == list(range(1, KILL_STEPS + 1))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in expected]
+
+
+def test_kill_9_during_a_save_and_between_steps_then_resume(straight, tmp_path):
     """SIGKILL while the step-4 save is in flight, then (rerun) once step 5 is logged; the third
     run ends with the parameters, data position and losses of an uninterrupted run, bitwise."""
-    straight = str(tmp_path / "straight")
-    train.train(get_config("ar", train__num_steps=KILL_STEPS, train__save_every=2), straight)
-
     workdir = str(tmp_path / "killed")
     base = os.path.join(workdir, "checkpoints")
     in_flight = lambda: glob.glob(f"{base}/4.orbax-checkpoint-tmp*")  # noqa: E731
@@ -231,16 +260,24 @@ def test_kill_9_during_a_save_and_between_steps_then_resume(tmp_path):
     assert f"resuming {workdir} from its checkpoint of step {last}" in log3.read_text()
     assert not glob.glob(f"{base}/*.orbax-checkpoint-tmp*")
 
-    a, _, step_a = wd.load_model(workdir)
-    b, _, step_b = wd.load_model(straight)
-    assert step_a == step_b == KILL_STEPS
-    pa, pb = flat_params(a), flat_params(b)
-    assert pa.keys() == pb.keys()
-    for key in pa:
-        assert np.array_equal(pa[key], pb[key]), key
-    for run in (workdir, straight):
-        with open(os.path.join(run, "checkpoints", str(KILL_STEPS), "data", "metadata")) as f:
-            assert json.load(f) == {"next_batch": KILL_STEPS}
-    resumed, expected = read_metrics(workdir), read_metrics(straight)
-    assert [m["step"] for m in resumed] == list(range(1, KILL_STEPS + 1))
-    assert [m["loss"] for m in resumed] == [m["loss"] for m in expected]
+    assert_same_run(workdir, straight)
+
+
+def test_train_stops_on_a_corrupted_checkpoint_or_falls_back(straight, tmp_path):
+    """A flipped byte in the last checkpoint of a finished run: resuming raises CheckpointError
+    naming step and file; with train.restore_fallback the run resumes from the step before,
+    redoes the last steps and ends where the straight run ended."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(straight, workdir)
+    path = largest_file(os.path.join(workdir, "checkpoints", str(KILL_STEPS)))
+    with open(path, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0x80]))
+    message = f"^checkpoint step {KILL_STEPS}: {re.escape(path)}: .*corrupted"
+    with pytest.raises(wd.CheckpointError, match=message):
+        train.train(kill_config(), workdir)
+    train.train(kill_config(train__restore_fallback=True), workdir)
+    assert os.path.isdir(os.path.join(workdir, "corrupt_checkpoints", str(KILL_STEPS)))
+    assert_same_run(workdir, straight)
