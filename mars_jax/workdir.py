@@ -7,7 +7,7 @@ Layout of ``workdir``:
   checkpoints/<step>/{params, opt_state, data}   Orbax checkpoints (atomic, written
                     asynchronously): parameters as nested dicts of arrays (``nnx.to_pure_dict``,
                     readable without this package), the optax state, and the data position;
-                    plus sha256.json, the SHA-256 and size of every file of the step
+                    plus sha256.json, the SHA-256 and size of every file of those items
   corrupt_checkpoints/<step>   a step that failed its checksums, moved aside by a fallback
   metrics.jsonl     one JSON object per logged training step (`mars_jax.metrics`)
   eval.json         the latest evaluation (`mars_jax.evaluate`)
