@@ -80,7 +80,14 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             # A checkpoint every 25 steps (~30 s of CPU steps here) bounds the work a crash
             # loses; SIGTERM / Ctrl-C save the step reached anyway (mars_jax/train.py).
             "save_every": 25,
+            # Checkpoints kept: the newest max_to_keep, plus every step divisible by keep_every
+            # (0: none), kept for good.
             "max_to_keep": 2,
+            "keep_every": 0,
+            # On resume, a checkpoint whose files fail their checksums (sha256.json) is an error
+            # naming the step and file; True: warn, move it to corrupt_checkpoints/ and resume
+            # from the previous checkpoint instead.
+            "restore_fallback": False,
         },
         # Device mesh axes (-1: the remaining devices) and the logical-axis sharding rules:
         # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('data','fsdp')".

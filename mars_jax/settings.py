@@ -145,6 +145,10 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
         )
     if not 0 <= d.max_bad_fraction <= 1:  # NaN fails too; the ConfigDict keeps it a float
         raise SettingError("data.max_bad_fraction", d.max_bad_fraction, "must lie in [0, 1]")
+    if t.max_to_keep < 1:
+        raise SettingError("train.max_to_keep", t.max_to_keep, "must be >= 1")
+    if t.keep_every < 0:
+        raise SettingError("train.keep_every", t.keep_every, "must be >= 0 (0: none)")
     if d.source not in SOURCES:
         raise SettingError("data.source", d.source, f"must be one of {SOURCES}")
     if d.source != "synthetic":

@@ -7,9 +7,11 @@ r"""Training runs: stage 1 (AR SFT) and stage 2 (MARS), arXiv 2604.07023 Sec. 4.
 From Python: ``train.train(config, workdir)`` with a ``ConfigDict`` (e.g.
 ``configs.tiny.get_config("mars")``).
 
-A restart with the same workdir resumes from its latest checkpoint (parameters, optimizer state
-and data position). ``init_from`` starts a fresh run from a Hugging Face directory or from the
-latest checkpoint of another run's workdir (stage 2 from stage 1).
+A restart with the same workdir resumes from its latest committed checkpoint (parameters,
+optimizer state and data position), also after a hard kill (see `workdir.Checkpoints`); a
+checkpoint whose files fail their checksums stops the run, or with ``train.restore_fallback``
+is set aside for the previous one. ``init_from`` starts a fresh run from a Hugging Face
+directory or from the latest checkpoint of another run's workdir (stage 2 from stage 1).
 
 Preemption: SIGTERM (a TPU VM's or a scheduler's notice) or SIGINT (Ctrl-C) stops the run after
 the step in progress: it saves that step (as a regular save), waits for the write, logs which
@@ -153,8 +155,9 @@ def train(cfg, workdir: str) -> dict:
 
     Raises ValueError for a bad config (see `train_step.build_train_step`,
     `objectives.check_config`, `sharding`, `distributed.initialize`) or a resume with another
-    config, FileNotFoundError for a missing ``init_from`` or data file, FloatingPointError for a
-    non-finite loss.
+    config, `workdir.CheckpointError` (a ValueError) for a corrupted checkpoint (without
+    ``train.restore_fallback``), FileNotFoundError for a missing ``init_from`` or data file,
+    FloatingPointError for a non-finite loss.
     """
     settings.check(cfg, training=True)
     distributed.initialize(cfg.distributed)
@@ -192,9 +195,15 @@ def train(cfg, workdir: str) -> dict:
         rows=distributed.process_rows(step.batch_sharding, t.batch_size),
     )
     run_config = cfg.to_json_best_effort(indent=2)
-    checkpoints = wd.Checkpoints(workdir, max_to_keep=t.max_to_keep)
+    checkpoints = wd.Checkpoints(
+        workdir, max_to_keep=t.max_to_keep, keep_every=t.keep_every, writer=True
+    )
 
-    start = checkpoints.latest_step()
+    if checkpoints.latest_step() is not None:
+        wd.check_same_run(workdir, run_config)
+    state, start = checkpoints.restore_latest(
+        wd.TrainState(abstract, step.abstract_opt_state, 0), fallback=t.restore_fallback
+    )
     if start is None:
         logging.info("no checkpoint in %s: starting a fresh run", workdir)
         params = initial_params(cfg, model_cfg, abstract)
@@ -206,8 +215,6 @@ def train(cfg, workdir: str) -> dict:
                 wd.write_vocab_map(workdir, vmap)
         start = 0
     else:
-        wd.check_same_run(workdir, run_config)
-        state = checkpoints.restore(start, wd.TrainState(abstract, step.abstract_opt_state, 0))
         logging.info("resuming %s from its checkpoint of step %d", workdir, start)
 
     if start >= num_steps:

@@ -3,7 +3,6 @@ train (stage 1, resume, stage 2 from stage 1, init from a Hugging Face directory
 train / evaluate / generate / export command lines."""
 
 import ast
-import importlib.util
 import json
 import math
 import os
@@ -12,7 +11,6 @@ import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,58 +24,14 @@ from mars_jax import data, decode, evaluate, export, generate, objectives, train
 from mars_jax import workdir as wd
 from mars_jax.model import Qwen2, causal_mask
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
-LR = 3e-3
-# Tiny overrides, applied in-process and as --config.<key>=<value> on the command lines.
-OVERRIDES = {
-    "train.num_steps": 4,
-    "train.batch_size": 4,
-    "train.log_every": 1,
-    "train.save_every": 2,
-    "train.learning_rate": LR,
-    "data.num_synthetic_train": 32,
-    "model.num_layers": 1,
-    "model.hidden_size": 32,
-    "model.intermediate_size": 64,
-    "model.head_dim": 8,
-    "eval.num_examples": 4,
-    "eval.batch_size": 4,
-    "eval.max_new_tokens": 8,
-    "eval.thresholds": (1.0, 0.9),
-    "eval.nll_examples": 4,
-}
-
-
-def get_config(stage="ar", **extra):
-    """configs/tiny.py's config for ``stage`` with OVERRIDES and ``extra`` ("a__b" = "a.b")."""
-    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config(stage)
-    for key, value in {**OVERRIDES, **{k.replace("__", "."): v for k, v in extra.items()}}.items():
-        *parents, leaf = key.split(".")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        assert leaf in node, key
-        node[leaf] = value
-    return cfg
-
-
-def cli_flags():
-    def fmt(v):
-        return "(" + ",".join(map(str, v)) + ")" if isinstance(v, tuple) else str(v)
-
-    return [f"--config.{k}={fmt(v)}" for k, v in OVERRIDES.items()]
+from train_runs import LR, ROOT, cli_flags, flat_params, get_config, subprocess_env
 
 
 def run_cli(module, *args, check=True):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
-        env=env,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -90,11 +44,6 @@ def run_cli(module, *args, check=True):
 def read_metrics(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def flat_params(model):
-    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
 def assert_same_params(a, b, atol=1e-6):
@@ -215,8 +164,7 @@ def train_cli(workdir):
 def interrupt_after_first_step(workdir, sig, timeout=120):
     """Starts the train command, sends ``sig`` once metrics.jsonl holds a step, waits for it to
     exit: returns (exit code, stderr)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen(train_cli(workdir), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(train_cli(workdir), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics, deadline = os.path.join(workdir, "metrics.jsonl"), time.time() + timeout
     try:
@@ -458,9 +406,8 @@ def test_entry_modules_import_together():
         "assert 'config' not in flags.FLAGS and 'workdir' not in flags.FLAGS\n"
         "print(sorted(names))\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

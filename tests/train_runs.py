@@ -1,0 +1,68 @@
+"""Shared helpers of the tests that run training (test_train, test_checkpoints): the tiny
+config shrunk further, as a ConfigDict or as command-line flags, and the environment of a
+`python -m mars_jax` subprocess."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+ROOT = Path(__file__).resolve().parents[1]
+LR = 3e-3
+# Tiny overrides, applied in-process and as --config.<key>=<value> on the command lines.
+OVERRIDES = {
+    "train.num_steps": 4,
+    "train.batch_size": 4,
+    "train.log_every": 1,
+    "train.save_every": 2,
+    "train.learning_rate": LR,
+    "data.num_synthetic_train": 32,
+    "model.num_layers": 1,
+    "model.hidden_size": 32,
+    "model.intermediate_size": 64,
+    "model.head_dim": 8,
+    "eval.num_examples": 4,
+    "eval.batch_size": 4,
+    "eval.max_new_tokens": 8,
+    "eval.thresholds": (1.0, 0.9),
+    "eval.nll_examples": 4,
+}
+
+
+def get_config(stage="ar", **extra):
+    """configs/tiny.py's config for ``stage`` with OVERRIDES and ``extra`` ("a__b" = "a.b")."""
+    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config(stage)
+    for key, value in {**OVERRIDES, **{k.replace("__", "."): v for k, v in extra.items()}}.items():
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        assert leaf in node, key
+        node[leaf] = value
+    return cfg
+
+
+def cli_flags():
+    """OVERRIDES as --config.<key>=<value> flags."""
+
+    def fmt(v):
+        return "(" + ",".join(map(str, v)) + ")" if isinstance(v, tuple) else str(v)
+
+    return [f"--config.{k}={fmt(v)}" for k, v in OVERRIDES.items()]
+
+
+def subprocess_env():
+    """This environment with the repository first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def flat_params(model):
+    """{path: numpy array} of the parameters of an NNX ``model``."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
