@@ -14,7 +14,8 @@ Each run has its own directory under ``--workdir`` and is resumable: a rerun of 
 skips finished training (`mars_jax.train` resumes or returns) and finished evaluations (a run's
 ``eval.json`` of its final step with the configured thresholds). The tables (markdown), the
 reports (JSON, with the device and the measured times) and the Pareto plot (PNG: tokens per
-forward vs accuracy, one line per run) go to ``--results`` as ``<name>.md/.json/.png``.
+forward vs accuracy, one line per run) go to ``--results`` as ``<name>.md/.json/.png``,
+rewritten after every run.
 
 Claims: (a) one-token mode: MARS at threshold 1.0 vs the AR control, accuracy and held-out AR
 NLL; (b) the speed/quality curve over thresholds: tokens per forward, accuracy, agreement with
@@ -42,7 +43,7 @@ def run_configs(exp) -> dict:
     """The run ConfigDicts of experiment ``exp``, by run name, in the order they run.
 
     Stage 1 comes first; every other run starts from its final checkpoint (``init_from`` is
-    filled in by `run_all`). AR runs train with block_size 1 and are evaluated with one-token
+    filled in by `run_each`). AR runs train with block_size 1 and are evaluated with one-token
     (AR) decoding only.
     """
     def make(objective, steps, *, block_size=1, ar_weight=1.0, seed=None, thresholds=(1.0,)):
@@ -87,11 +88,10 @@ def _finished_eval(workdir: str, cfg) -> dict | None:
     return report if done and same else None
 
 
-def run_all(exp, root: str) -> dict:
-    """Trains and evaluates every run of `run_configs` under ``root`` (skipping finished work);
-    returns {name: {"report": evaluation report, "train_s": s, "eval_s": s}} with the seconds
-    this invocation spent (0 for skipped work)."""
-    out = {}
+def run_each(exp, root: str):
+    """Trains and evaluates every run of `run_configs` under ``root`` (skipping finished work),
+    yielding (name, {"report": evaluation report, "train_s": s, "eval_s": s}) as each run ends,
+    with the seconds this invocation spent on it (0 for skipped work)."""
     for name, cfg in run_configs(exp).items():
         workdir = os.path.join(root, name)
         if name != "stage1":
@@ -104,12 +104,11 @@ def run_all(exp, root: str) -> dict:
         if report is None:
             logging.info("claims: evaluating %s", name)
             report = evaluate.evaluate(cfg, workdir)
-        out[name] = {
+        yield name, {
             "report": report,
             "train_s": trained - start,
             "eval_s": time.perf_counter() - trained,
         }
-    return out
 
 
 def _at(report: dict, threshold: float) -> dict | None:
@@ -117,7 +116,8 @@ def _at(report: dict, threshold: float) -> dict | None:
 
 
 def tables(exp, runs: dict) -> str:
-    """The three claims as markdown tables."""
+    """The three claims as markdown tables of the finished ``runs`` (a run not finished yet is
+    left out, or shown as "-")."""
     one = lambda name: _at(runs[name]["report"], 1.0)
     lines = [
         "**(a) One-token mode** (threshold 1.0: one token per forward)",
@@ -125,7 +125,9 @@ def tables(exp, runs: dict) -> str:
         "| run | steps | accuracy | held-out AR NLL (nats/token) |",
         "|---|---|---|---|",
     ]
-    for name in ["stage1", "ar_control"] + [n for n in runs if n.startswith("mars")]:
+    for name in [n for n in ("stage1", "ar_control") if n in runs] + [
+        n for n in runs if n.startswith("mars")
+    ]:
         r = runs[name]["report"]
         lines.append(f"| {name} | {r['step']} | {one(name)['accuracy']:.3f} | {r['ar_nll']:.4f} |")
     lines += [
@@ -155,8 +157,9 @@ def tables(exp, runs: dict) -> str:
     for b in exp.block_sizes:
         cells = []
         for w in exp.ar_weights:
-            r = _at(runs[f"mars_b{b}_ar{w:g}"]["report"], float(t))
-            cells.append(f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f}")
+            run = runs.get(f"mars_b{b}_ar{w:g}")
+            r = run and _at(run["report"], float(t))
+            cells.append(f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f}" if r else "-")
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -180,11 +183,9 @@ def write_results(exp, runs: dict, results_dir: str, seconds: float) -> str:
         f.write(text)
     with open(base + ".json", "w") as f:
         json.dump({"device": device, "seconds": seconds, "runs": runs}, f, indent=2)
-    plots.pareto_plot(
-        {n: r["report"]["results"] for n, r in runs.items() if n.startswith("mars")},
-        base + ".png",
-        title=f"{exp.name}: tokens per forward vs accuracy",
-    )
+    mars = {n: r["report"]["results"] for n, r in runs.items() if n.startswith("mars")}
+    if mars:
+        plots.pareto_plot(mars, base + ".png", title=f"{exp.name}: tokens per forward vs accuracy")
     return text
 
 
@@ -193,9 +194,11 @@ def main(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     cli.quiet_library_logs()
     start = time.perf_counter()
-    exp = _CONFIG.value
-    runs = run_all(exp, _WORKDIR.value)
-    print(write_results(exp, runs, _RESULTS.value, time.perf_counter() - start))
+    exp, runs = _CONFIG.value, {}
+    for name, run in run_each(exp, _WORKDIR.value):
+        runs[name] = run  # the results so far are written after every run
+        text = write_results(exp, runs, _RESULTS.value, time.perf_counter() - start)
+    print(text)
 
 
 if __name__ == "__main__":

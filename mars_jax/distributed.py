@@ -130,7 +130,8 @@ def global_batch(local: dict, batch_sharding: Sharding, batch_size: int) -> dict
     """The global batch arrays from this process's rows of them.
 
     Args:
-      local: {name: int32[k, L]} numpy arrays, the rows `process_rows` names, in its order.
+      local: {name: int32[k, L]} numpy arrays (or [k] per-row arrays), the rows `process_rows`
+        names, in its order.
       batch_sharding: the sharding of the global arrays (rows split over its batch axes).
       batch_size: the number of rows of the global batch.
 
@@ -140,7 +141,16 @@ def global_batch(local: dict, batch_sharding: Sharding, batch_size: int) -> dict
     """
     return {
         name: jax.make_array_from_process_local_data(
-            batch_sharding, rows, (batch_size, *rows.shape[1:])
+            _rows_sharding(batch_sharding, rows.ndim), rows, (batch_size, *rows.shape[1:])
         )
         for name, rows in local.items()
     }
+
+
+def _rows_sharding(batch_sharding: Sharding, ndim: int) -> Sharding:
+    """``batch_sharding`` (of [batch, L] arrays) for an array of rank ``ndim`` split the same way
+    along its rows (e.g. [batch] per-row weights)."""
+    if ndim == len(batch_sharding.spec):
+        return batch_sharding
+    spec = (*batch_sharding.spec[:ndim], *(None,) * (ndim - len(batch_sharding.spec)))
+    return jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(*spec))

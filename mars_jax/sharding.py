@@ -181,6 +181,7 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, rules: Rules):
     return graphdef, abstract
 
 
-def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
-    """Sharding of a [batch, length] array: rows split over the "batch" rule's mesh axes."""
-    return NamedSharding(mesh, logical_spec(("batch", None), rules))
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, length] array (``ndim`` 2; 1: a [batch] array, e.g. per-row
+    weights): rows split over the "batch" rule's mesh axes."""
+    return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), rules))

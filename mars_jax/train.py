@@ -36,7 +36,8 @@ from absl import logging
 from flax import nnx
 
 from mars_jax import (
-    cli, data, distributed, huggingface, settings, sharding, train_step, vocab, workdir as wd
+    cli, data, distributed, huggingface, objectives, settings, sharding, train_step, vocab,
+    workdir as wd,
 )
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2
@@ -186,14 +187,24 @@ def train(cfg, workdir: str) -> dict:
     graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
     tx, schedule = train_step.optimizer(cfg, num_steps)
     step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
+    rows = distributed.process_rows(step.batch_sharding, t.batch_size)
     dataset = data.batched_dataset(
         examples,
         batch_size=t.batch_size,
         max_length=cfg.data.max_length,
         seed=cfg.seed,
         pad_id=tok.pad_id,
-        rows=distributed.process_rows(step.batch_sharding, t.batch_size),
+        rows=rows,
     )
+    if obj.noisy_weighting == "inverse_t":
+        dataset = dataset.map_with_index(
+            lambda i, batch: {
+                **batch,
+                objectives.NOISY_WEIGHT: objectives.noisy_row_weights(cfg.seed, i, t.batch_size)[
+                    list(rows)
+                ],
+            }
+        )
     run_config = cfg.to_json_best_effort(indent=2)
     checkpoints = wd.Checkpoints(
         workdir, max_to_keep=t.max_to_keep, keep_every=t.keep_every, writer=True

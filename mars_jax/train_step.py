@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mars_jax import data, sharding
-from mars_jax.objectives import check_config, loss_denominator, loss_fn
+from mars_jax.objectives import NOISY_WEIGHT, check_config, loss_denominator, loss_fn
 
 
 def objective_settings(cfg, mask_id: int, examples) -> types.SimpleNamespace:
@@ -89,7 +89,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
                     param_shardings=None):
     """A pure step (params, opt_state, batch) -> (params, opt_state, metrics).
 
-    The batch ({input_ids, labels} int32 [batch, L]) is split into ``grad_accum_steps``
+    The batch ({input_ids, labels} int32 [batch, L], plus noisy_weight fp32 [batch] with the
+    "inverse_t" weighting) is split into ``grad_accum_steps``
     micro-batches (`micro_batches`, lax.scan); their gradients and metrics are combined with
     weights proportional to their loss denominators, so the update equals that of the whole
     batch. The fp32 gradient accumulators are placed like the parameters when
@@ -180,6 +181,11 @@ def build_train_step(
     opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_opt)
     batch_sharding = sharding.batch_sharding(mesh, rules)
     row = jax.ShapeDtypeStruct((t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding)
+    abstract_batch = {"input_ids": row, "labels": row}
+    if obj.noisy_weighting == "inverse_t":  # per-row weights, placed as the rows
+        abstract_batch[NOISY_WEIGHT] = jax.ShapeDtypeStruct(
+            (t.batch_size,), jnp.float32, sharding=sharding.batch_sharding(mesh, rules, ndim=1)
+        )
     step = make_train_step(graphdef, tx, obj, t.grad_accum_steps, param_shardings)
 
     def on_mesh(*args):
@@ -189,8 +195,10 @@ def build_train_step(
 
     fn = jax.jit(
         on_mesh,
-        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        in_shardings=(
+            param_shardings, opt_shardings, jax.tree.map(lambda x: x.sharding, abstract_batch)
+        ),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),
     )
-    return TrainStep(fn, abstract_params, abstract_opt, {"input_ids": row, "labels": row}, batch_sharding)
+    return TrainStep(fn, abstract_params, abstract_opt, abstract_batch, batch_sharding)

@@ -89,7 +89,8 @@ def _mars_value_and_grad(params, **execution):
     cfg = ModelConfig(**{**CFG.__dict__, **execution})
     graphdef = nnx.graphdef(Qwen2(cfg, rngs=nnx.Rngs(0)))
     obj = SimpleNamespace(name="mars", block_size=BLOCK, ar_weight=1.0, normalization="sequence",
-                          max_label_tokens=None, mask_id=127, ce_chunk_size=0)
+                          max_label_tokens=None, mask_id=127, ce_chunk_size=0,
+                          noisy_weighting="none")
     loss = lambda p: mars_loss(nnx.merge(graphdef, p), mars_batch(), obj)[0]
     return jax.jit(jax.value_and_grad(loss))(params)
 
@@ -143,7 +144,8 @@ rng = np.random.default_rng(0)
 ids = rng.integers(0, 120, (4, 64)).astype(np.int32)
 labels = np.where(np.arange(64)[None] >= 20, ids, IGNORE_INDEX).astype(np.int32)
 obj = SimpleNamespace(name="mars", block_size=4, ar_weight=1.0, normalization="sequence",
-                      max_label_tokens=None, mask_id=127, ce_chunk_size=0)
+                      max_label_tokens=None, mask_id=127, ce_chunk_size=0,
+                          noisy_weighting="none")
 host = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
 mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2)
 rules = sharding.logical_rules()

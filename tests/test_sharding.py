@@ -78,7 +78,7 @@ col = np.arange(length)[None]
 labelled = (col >= prompt[:, None]) & (col < (prompt + answer)[:, None])
 batch = {"input_ids": ids, "labels": np.where(labelled, ids, IGNORE_INDEX).astype(np.int32)}
 obj = NS(name="mars", block_size=4, ar_weight=0.5, normalization="sequence",
-         max_label_tokens=12, mask_id=95, ce_chunk_size=0)
+         max_label_tokens=12, mask_id=95, ce_chunk_size=0, noisy_weighting="none")
 run_cfg = NS(train=NS(warmup_ratio=0.0, learning_rate=1e-2, grad_clip=1.0, weight_decay=0.01,
                      batch_size=rows, grad_accum_steps=2), data=NS(max_length=length))
 

@@ -266,6 +266,33 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
     assert m["clean_loss"] == pytest.approx(float(ar), rel=1e-5)
 
 
+def test_inverse_t_weighting_reaches_the_step(stage1, tmp_path):
+    """objective.noisy_weighting=inverse_t in a real run: the first step's loss (learning rate 0,
+    from stage 1) is the noisy CE weighted by `noisy_row_weights(seed, 0, batch_size)`, whole
+    or in two micro-batches."""
+    stage1_dir, _, _ = stage1
+    s1, tok, _ = wd.load_model(stage1_dir)
+    losses = []
+    for accum in (1, 2):
+        cfg = get_config(
+            "mars", init_from=stage1_dir, train__num_steps=1, train__learning_rate=0.0,
+            objective__ar_weight=0.0, objective__noisy_weighting="inverse_t",
+            train__grad_accum_steps=accum,
+        )
+        losses.append(train.train(cfg, str(tmp_path / f"accum{accum}"))["loss"])
+    examples = train.load_train_examples(cfg, tok)
+    batch = data.batched_dataset(
+        examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
+    )[0]
+    obj = train_step.objective_settings(cfg, tok.mask_id, examples)
+    weights = objectives.noisy_row_weights(cfg.seed, 0, cfg.train.batch_size)
+    expected, _ = objectives.mars_loss(s1, {**batch, objectives.NOISY_WEIGHT: weights}, obj)
+    obj.noisy_weighting = "none"
+    unweighted, _ = objectives.mars_loss(s1, batch, obj)
+    assert losses == pytest.approx([float(expected)] * 2, rel=1e-5)
+    assert abs(float(expected) - float(unweighted)) > 0.1 * float(unweighted)
+
+
 def make_hf_checkpoint(path):
     """A random transformers Qwen2 (real special-token rows) with non-trivial biases and norms,
     saved with save_pretrained, plus the offline tokenizer files (as a release ships them)."""
@@ -541,7 +568,7 @@ def test_grad_accumulation_equals_whole_batch():
     graphdef, params = nnx.split(Qwen2(model_cfg, rngs=nnx.Rngs(0)))
     for norm in ("token", "sequence"):
         obj = types.SimpleNamespace(name="ar", normalization=norm, max_label_tokens=None,
-                                    ce_chunk_size=0)
+                                    ce_chunk_size=0, noisy_weighting="none")
         tx, _ = train_step.optimizer(cfg, 10)
         results = []
         for accum in (1, 2):
