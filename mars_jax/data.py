@@ -660,12 +660,11 @@ def build_examples(
             )
         examples.append(example)
     logging.info(
-        "data %s: kept %d of %d rows (%d cut to max_length=%d); skipped: %s",
+        "data %s: kept %d of %d rows%s; skipped: %s",
         source_name,
         len(examples),
         len(examples) + sum(skips.values()),
-        truncated,
-        max_length,
+        f" ({truncated} cut to max_length={max_length})" if truncated else "",
         dict(skips) or "none",
     )
     return examples, skips
