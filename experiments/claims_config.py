@@ -20,7 +20,7 @@ def get_config(name: str = "synthetic") -> ml_collections.ConfigDict:
         "description": "",
         "run": run,
         "stage1_steps": 1000,
-        "stage2_steps": 200,
+        "stage2_steps": 100,
         "block_sizes": (4, 8, 16),
         "ar_weights": (1.0, 0.0),
         "extra_seeds": (1,),  # the first MARS run again with these seeds
