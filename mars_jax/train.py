@@ -262,8 +262,8 @@ def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, pree
 
     A step with a non-finite loss or gradient norm leaves the parameters and optimizer state as
     they were (`train_step.make_train_step`); `SkippedSteps` counts it and logs its batch's
-    rows. Saved parameters are therefore always finite: a checkpoint after skipped steps holds
-    those of the last applied update. Raises FloatingPointError after
+    rows. A skip never writes non-finite values into the parameters: a checkpoint after skipped
+    steps holds those of the last applied update. Raises FloatingPointError after
     ``train.max_consecutive_skips`` skips in a row, once saves in flight are written.
     """
     t = cfg.train
