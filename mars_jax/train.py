@@ -140,7 +140,7 @@ def vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     evaluation, _ = data.build_examples(
         rows, tok, "messages", max_length=2**30, block_size=1, source_name=f"{source} (vocab)"
     )
-    return vocab.build((ids for ids, _ in examples + evaluation), tok.mask_id, len(tok))
+    return vocab.build((e.input_ids for e in examples + evaluation), tok.mask_id, len(tok))
 
 
 def train(cfg, workdir: str) -> dict:
