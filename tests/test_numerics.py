@@ -70,8 +70,8 @@ def test_step_skips_a_nonfinite_update_and_keeps_the_state_bitwise(case, monkeyp
     labels[:, :3] = data.IGNORE_INDEX
     clean = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
     bad = {"input_ids": clean["input_ids"].at[3, 5].set(BAD), "labels": clean["labels"]}
-    obj = types.SimpleNamespace(name="ar", normalization="sequence", max_label_tokens=None,
-                                ce_chunk_size=0)
+    obj = types.SimpleNamespace(name="ar", normalization="sequence", noisy_weighting="none",
+                                max_label_tokens=None, ce_chunk_size=0)
     tx = optax.adam(1e-2)
     opt_state = tx.init(params)
     step = jax.jit(train_step.make_train_step(graphdef, tx, obj, grad_accum_steps=2))
