@@ -272,7 +272,7 @@ def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, pree
     try:
         for i in range(start, num_steps):
             local = dataset[position]
-            row_ids = local.pop("row_ids")  # host-side only: the step takes input_ids, labels
+            row_ids = local.pop("row_ids")  # host-side only, not a step input
             batch = distributed.global_batch(local, step.batch_sharding, t.batch_size)
             position += 1
             tokens = tokens + _batch_tokens(batch["labels"])

@@ -149,7 +149,7 @@ class TrainStep:
     """A jitted train step and what it runs on.
 
     fn: jitted (params, opt_state, batch) -> (params, opt_state, metrics) of `make_train_step`;
-      params and opt_state are donated. batch: {input_ids, labels}.
+      params and opt_state are donated; batch as ``abstract_batch``.
     abstract_params / abstract_opt_state / abstract_batch: its inputs as trees of
       ``jax.ShapeDtypeStruct`` with shardings (``fn.lower(*step.abstract_inputs)`` compiles it
       without allocating anything).
