@@ -88,6 +88,12 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             # naming the step and file; True: warn, move it to corrupt_checkpoints/ and resume
             # from the previous checkpoint instead.
             "restore_fallback": False,
+            # A step with a non-finite loss or gradient norm is skipped (no update) and logged
+            # with its data rows; this many skips in a row stop the run (0: never). A skip
+            # leaves the state as it was and the next step reads the next batch, so 10
+            # non-finite batches in a row point at the state or the settings (learning rate,
+            # overflow) rather than at a few bad rows, and cost only 10 steps.
+            "max_consecutive_skips": 10,
         },
         # Device mesh axes (-1: the remaining devices) and the logical-axis sharding rules:
         # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('data','fsdp')".

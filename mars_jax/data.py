@@ -12,7 +12,7 @@ import collections
 import json
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import grain
 import jinja2
@@ -31,7 +31,15 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 IGNORE_INDEX = -100  # label of a token that is not trained on
 SYNTHETIC = "synthetic"  # source name of the built-in arithmetic problems (see `load_rows`)
 
-Example = tuple[np.ndarray, np.ndarray]  # (input_ids int32[n], labels int32[n])
+
+class Example(NamedTuple):
+    """One tokenized conversation: input_ids and labels int32[n], and ``row``, the 0-based index
+    of its source row among the rows it was built from (`build_examples`; logged with a batch
+    whose loss is not finite)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    row: int
 
 
 class SkipRow(Exception):
@@ -505,7 +513,7 @@ def _assemble(
     bos_id: int,
     eos_id: int,
     truncate: bool = True,
-) -> Example:
+) -> tuple[np.ndarray, np.ndarray]:
     """Concatenates tokenized pieces into (input_ids, labels): BOS in front when the first token
     is labelled, truncation to max_length (or, with ``truncate`` False, SkipRow("too_long") when
     that would drop a labelled token), labelled EOS padding to a multiple of block_size."""
@@ -541,7 +549,7 @@ def tokenize_chat(
     all_assistant_turns: bool = False,
     tools=None,
     truncate: bool = True,
-) -> Example:
+) -> tuple[np.ndarray, np.ndarray]:
     """Tokenizes one conversation for MARS SFT, as the MARS reference's SFT data path does.
 
     The prompt before the final assistant turn is tokenized exactly as
@@ -616,8 +624,8 @@ def build_examples(
     kept rows cut to `max_length` (`truncate`: see `tokenize_chat`).
 
     Returns:
-      (examples, skips): a list of (input_ids int32[n], labels int32[n]) and a Counter of skip
-      reasons.
+      (examples, skips): a list of `Example` (input_ids int32[n], labels int32[n], and the
+      0-based index of its row in `rows`) and a Counter of skip reasons.
     Raises:
       ValueError: as `tokenize_chat`; or a kept row has more than `max_label_tokens` labelled
         tokens (EOS padding included; the loss computes logits at no more positions per row,
@@ -658,7 +666,7 @@ def build_examples(
                 f"{source_name}: row {index} has {num_labels} labelled tokens, more than "
                 f"max_label_tokens={max_label_tokens}"
             )
-        examples.append(example)
+        examples.append(Example(*example, row=index))
     logging.info(
         "data %s: kept %d of %d rows%s; skipped: %s",
         source_name,
@@ -672,12 +680,14 @@ def build_examples(
 
 def _collate(batch: list[Example], *, batch_size: int, max_length: int, pad_id: int) -> dict:
     """Stacks examples into int32[batch_size, max_length] arrays; missing rows and positions are
-    padded with `pad_id` / IGNORE_INDEX."""
+    padded with `pad_id` / IGNORE_INDEX. `row_ids` int32[batch_size]: each example's source row,
+    -1 for a padding row."""
     input_ids = np.full((batch_size, max_length), pad_id, np.int32)
     labels = np.full((batch_size, max_length), IGNORE_INDEX, np.int32)
-    for row, (ids, lab) in enumerate(batch):
-        input_ids[row, : len(ids)], labels[row, : len(lab)] = ids, lab
-    return {"input_ids": input_ids, "labels": labels}
+    row_ids = np.full(batch_size, -1, np.int32)
+    for i, (ids, lab, row) in enumerate(batch):
+        input_ids[i, : len(ids)], labels[i, : len(lab)], row_ids[i] = ids, lab, row
+    return {"input_ids": input_ids, "labels": labels, "row_ids": row_ids}
 
 
 def batched_dataset(
@@ -696,7 +706,9 @@ def batched_dataset(
     of it.
 
     Each element is `{"input_ids": int32[batch_size, max_length], "labels": int32[batch_size,
-    max_length]}` padded with `pad_id` (`<|endoftext|>`) and IGNORE_INDEX. Examples are shuffled
+    max_length], "row_ids": int32[batch_size]}` padded with `pad_id` (`<|endoftext|>`),
+    IGNORE_INDEX and -1 (`row_ids`: each example's `Example.row`; host-side only, not a model
+    input). Examples are shuffled
     per epoch (grain reseeds the shuffle for every repetition: a different permutation each
     epoch, deterministic in `seed`), batched within an epoch (`drop_remainder` drops an epoch's
     last partial batch; otherwise it is filled with padding rows), and repeated `num_epochs`
@@ -715,7 +727,7 @@ def batched_dataset(
     """
     if not examples or (drop_remainder and len(examples) < batch_size):
         raise ValueError(f"{len(examples)} examples cannot fill a batch of {batch_size}")
-    if (longest := max(len(ids) for ids, _ in examples)) > max_length:
+    if (longest := max(len(e.input_ids) for e in examples)) > max_length:
         raise ValueError(f"an example has {longest} tokens, more than max_length={max_length}")
     ds = grain.MapDataset.source(examples)
     if shuffle:

@@ -8,7 +8,6 @@ metrics.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 from absl import logging
@@ -27,9 +26,8 @@ class MetricsWriter:
     steps after ``start_step`` as purged, so TensorBoard hides the redone steps of the earlier
     file as metrics.jsonl drops them. Events reach the file in the background and at `close`.
 
-    Only a ``primary`` writer (process 0 of a multi-process run) touches the files; every
-    process's writer checks the loss, so all of them stop on a non-finite one (`distributed`
-    keeps the INFO log lines of other processes out of the log).
+    Only a ``primary`` writer (process 0 of a multi-process run) touches the files
+    (`distributed` keeps the INFO log lines of other processes out of the log).
     """
 
     def __init__(self, workdir: str, start_step: int, num_steps: int, *, primary: bool = True):
@@ -61,12 +59,16 @@ class MetricsWriter:
         )
 
     def write(self, record: dict) -> None:
-        """Logs and appends ``record``: {step, loss, [noisy_loss, clean_loss,] learning_rate,
-        tokens_per_s, progress (fraction), eta_s (seconds), ...} of floats.
+        """Logs and appends ``record``: {step, loss, [noisy_loss, clean_loss,] grad_norm,
+        skipped (1.0: this step's update was skipped), skipped_steps (skips so far),
+        learning_rate, tokens_per_s, progress (fraction), eta_s (seconds), ...} of numbers.
 
-        Raises FloatingPointError for a non-finite loss (the record is logged, not written).
+        A skipped step's loss may be NaN or infinite: it is written as NaN / Infinity, which is
+        not strict JSON but which Python's json reads back.
         """
         parts = "".join(f" {k} {record[k]:.4f}" for k in ("noisy_loss", "clean_loss") if k in record)
+        if record.get("skipped_steps"):
+            parts += f" skipped steps {record['skipped_steps']}"
         logging.info(
             "step %d/%d (%.0f%%) loss %.4f%s lr %.2e tokens/s %.0f ETA %s",
             record["step"],
@@ -78,8 +80,6 @@ class MetricsWriter:
             record["tokens_per_s"],
             _hms(record["eta_s"]),
         )
-        if not math.isfinite(record["loss"]):
-            raise FloatingPointError(f"loss is {record['loss']} at step {record['step']}")
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

@@ -135,6 +135,10 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
     t = cfg.train
     if t.batch_size < 1:
         raise SettingError("train.batch_size", t.batch_size, "must be >= 1")
+    if t.max_consecutive_skips < 0:
+        raise SettingError(
+            "train.max_consecutive_skips", t.max_consecutive_skips, "must be >= 0 (0: never stop)"
+        )
     if t.grad_accum_steps < 1:
         raise SettingError("train.grad_accum_steps", t.grad_accum_steps, "must be >= 1")
     if t.batch_size % t.grad_accum_steps:

@@ -32,6 +32,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from absl import logging
 from flax import nnx
 
@@ -138,7 +140,7 @@ def vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     evaluation, _ = data.build_examples(
         rows, tok, "messages", max_length=2**30, block_size=1, source_name=f"{source} (vocab)"
     )
-    return vocab.build((ids for ids, _ in examples + evaluation), tok.mask_id, len(tok))
+    return vocab.build((e.input_ids for e in examples + evaluation), tok.mask_id, len(tok))
 
 
 def train(cfg, workdir: str) -> dict:
@@ -158,7 +160,8 @@ def train(cfg, workdir: str) -> dict:
     `objectives.check_config`, `sharding`, `distributed.initialize`) or a resume with another
     config, `workdir.CheckpointError` (a ValueError) for a corrupted checkpoint (without
     ``train.restore_fallback``), FileNotFoundError for a missing ``init_from`` or data file,
-    FloatingPointError for a non-finite loss.
+    FloatingPointError after ``train.max_consecutive_skips`` steps in a row with
+    a non-finite loss or gradient norm (`SkippedSteps`).
     """
     settings.check(cfg, training=True)
     distributed.initialize(cfg.distributed)
@@ -255,40 +258,120 @@ def train(cfg, workdir: str) -> dict:
 def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, preemption,
                params, opt_state, position, start, num_steps) -> dict:
     """Steps ``start`` .. ``num_steps`` of `train`, saving every ``train.save_every``, at the
-    end, and at a preemption (then returning early); returns the last logged metrics record."""
+    end, and at a preemption (then returning early); returns the last logged metrics record.
+
+    A step with a non-finite loss or gradient norm leaves the parameters and optimizer state as
+    they were (`train_step.make_train_step`); `SkippedSteps` counts it and logs its batch's
+    rows. A skip never writes non-finite values into the parameters: a checkpoint after skipped
+    steps holds those of the last applied update. Raises FloatingPointError after
+    ``train.max_consecutive_skips`` skips in a row, once saves in flight are written.
+    """
     t = cfg.train
+    skips = SkippedSteps(t.max_consecutive_skips, total=start - _applied_updates(opt_state))
     last, t0, tokens, window_start = {}, time.time(), 0, time.time()
-    for i in range(start, num_steps):
-        batch = distributed.global_batch(dataset[position], step.batch_sharding, t.batch_size)
-        position += 1
-        tokens = tokens + _batch_tokens(batch["labels"])
-        params, opt_state, values = step.fn(params, opt_state, batch)
-        done = i + 1
-        if done % t.log_every == 0 or done == num_steps:
-            now = time.time()
-            last = {
-                "step": done,
-                **{k: float(v) for k, v in jax.device_get(values).items()},
-                "learning_rate": float(schedule(i)),
-                "tokens_per_s": int(tokens) / (now - window_start),
-                "progress": done / num_steps,
-                "eta_s": (num_steps - done) / ((done - start) / (now - t0)),
-            }
-            tokens, window_start = 0, now
-            metrics.write(last)
-        saved = done % t.save_every == 0 or done == num_steps
-        if saved:
-            checkpoints.save(done, wd.TrainState(params, opt_state, position))
-        if done < num_steps and preemption.stop(done):
-            if not saved:
+    try:
+        for i in range(start, num_steps):
+            local = dataset[position]
+            row_ids = local.pop("row_ids")  # host-side only, not a step input
+            batch = distributed.global_batch(local, step.batch_sharding, t.batch_size)
+            position += 1
+            tokens = tokens + _batch_tokens(batch["labels"])
+            params, opt_state, values = step.fn(params, opt_state, batch)
+            done = i + 1
+            skips.add(done, values["skipped"], row_ids)
+            if done % t.log_every == 0 or done == num_steps:
+                skips.check()
+                now = time.time()
+                values = jax.device_get(values)
+                # The rate of this step's update, or of the update it would have made if skipped.
+                updates = _applied_updates(opt_state)
+                last = {
+                    "step": done,
+                    **{k: float(v) for k, v in values.items()},
+                    "skipped_steps": skips.total,
+                    "learning_rate": float(schedule(updates - 1 + values["skipped"])),
+                    "tokens_per_s": int(tokens) / (now - window_start),
+                    "progress": done / num_steps,
+                    "eta_s": (num_steps - done) / ((done - start) / (now - t0)),
+                }
+                tokens, window_start = 0, now
+                metrics.write(last)
+            saved = done % t.save_every == 0 or done == num_steps
+            if saved:
+                skips.check()
                 checkpoints.save(done, wd.TrainState(params, opt_state, position))
-            checkpoints.wait_until_finished()
-            logging.info(
-                "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
-                preemption.reason, done, num_steps, workdir,
-            )
-            break
+            if done < num_steps and preemption.stop(done):
+                skips.check()
+                if not saved:
+                    checkpoints.save(done, wd.TrainState(params, opt_state, position))
+                checkpoints.wait_until_finished()
+                logging.info(
+                    "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
+                    preemption.reason, done, num_steps, workdir,
+                )
+                break
+    except FloatingPointError:
+        checkpoints.wait_until_finished()  # the last checkpoint is complete, and finite
+        raise
     return last
+
+
+class SkippedSteps:
+    """Counts a run's skipped steps (non-finite loss or gradient norm): ``total`` and
+    ``consecutive``.
+
+    Each step's ``skipped`` flag is read when the next step has been dispatched (`add`), so
+    reading it does not leave the device idle while the host prepares a batch; `check` reads
+    the latest one at once (before a metrics record or a save). Every process reads the same
+    replicated flag, so all of them count alike and stop at the same step.
+
+    Args:
+      limit: ``train.max_consecutive_skips``: raise after this many skips in a row (0: never).
+      total: skips before this process started (a resumed run's earlier skips).
+    """
+
+    def __init__(self, limit: int, total: int = 0):
+        self.limit, self.total, self.consecutive = limit, total, 0
+        self._pending = None  # (step, skipped flag on device, row ids) not read yet
+
+    def add(self, step: int, skipped: jax.Array, row_ids: np.ndarray) -> None:
+        """Reads the flag of the step before (`check`), then keeps this one: step number (1-based),
+        bool scalar, and int32 source row ids of this process's rows of its batch (-1: padding).
+        """
+        self.check()
+        self._pending = (step, skipped, row_ids)
+
+    def check(self) -> None:
+        """Reads the pending flag, waiting for its step. A skip is counted and logged as a
+        WARNING with the step and its batch's row ids (padding excluded; in a multi-process run,
+        each process logs its own rows).
+
+        Raises FloatingPointError (one line) at ``limit`` skips in a row.
+        """
+        if self._pending is None:
+            return
+        step, skipped, row_ids = self._pending
+        self._pending = None
+        if not bool(skipped):
+            self.consecutive = 0
+            return
+        self.total += 1
+        self.consecutive += 1
+        rows = [int(r) for r in row_ids if r >= 0]
+        whose = f"process {jax.process_index()}'s " if jax.process_count() > 1 else ""
+        logging.warning(
+            "step %d skipped: non-finite loss or gradient norm (%d in a row, %d in all); "
+            "source rows (0-based) of %sits batch: %s",
+            step, self.consecutive, self.total, whose, rows,
+        )
+        if self.limit and self.consecutive >= self.limit:
+            raise FloatingPointError(
+                f"step {step}: {self.consecutive} consecutive steps had a non-finite loss or "
+                f"gradient norm (train.max_consecutive_skips={self.limit}); parameters are "
+                "those of the last finite step. Look at: train.learning_rate (too high?), the "
+                "data rows listed in the warnings above, fp16/bf16 overflow (model.dtype / "
+                "model.param_dtype: try float32), train.grad_clip"
+            )
 
 
 class Preemption(contextlib.AbstractContextManager):
@@ -333,6 +416,18 @@ class Preemption(contextlib.AbstractContextManager):
         elif jax.process_count() > 1:
             return False
         return self.reason is not None
+
+
+def _applied_updates(opt_state) -> int:
+    """The optimizer's count of applied updates (skipped steps not counted): the step that the
+    learning-rate schedule of `train_step.optimizer` is at (optax's ScaleByScheduleState)."""
+    return int(
+        optax.tree.get(
+            opt_state,
+            "count",
+            filtering=lambda path, _: getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState",
+        )
+    )
 
 
 @jax.jit

@@ -27,13 +27,13 @@ def objective_settings(cfg, mask_id: int, examples) -> types.SimpleNamespace:
     ``mask_id``.
 
     ``max_label_tokens`` 0 means: the most labelled tokens of any of ``examples`` (a list of
-    (input_ids, labels) arrays), rounded up to a multiple of 8 (logits are computed at that many
+    `data.Example`), rounded up to a multiple of 8 (logits are computed at that many
     positions per row). Raises ValueError as `objectives.check_config`.
     """
     obj = types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
     check_config(obj)
     if not obj.max_label_tokens:
-        longest = max(int((labels != data.IGNORE_INDEX).sum()) for _, labels in examples)
+        longest = max(int((e.labels != data.IGNORE_INDEX).sum()) for e in examples)
         obj.max_label_tokens = -(-longest // 8) * 8
     return obj
 
@@ -95,7 +95,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
     weights proportional to their loss denominators, so the update equals that of the whole
     batch. The fp32 gradient accumulators are placed like the parameters when
     ``param_shardings`` is given. metrics: fp32 scalars loss (and noisy_loss / clean_loss),
-    label_tokens, grad_norm.
+    label_tokens, grad_norm (global L2 norm of the gradient, before clipping); bool scalar
+    skipped.
+
+    A step whose loss or gradient norm is not finite is skipped: it returns ``params`` and
+    ``opt_state`` unchanged (bitwise) and ``skipped`` True. The optimizer's step count is part
+    of that state, so a skipped step does not advance the learning-rate schedule: the batch
+    counts as if it was not there.
     """
 
     def grads_of(params, micro):
@@ -121,8 +127,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
         (grads, metrics), _ = jax.lax.scan(body, (grads, metrics), (micro, weights))
         metrics["label_tokens"] = (batch["labels"][:, 1:] != data.IGNORE_INDEX).sum()
         metrics["grad_norm"] = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, metrics
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A select rather than optax.apply_if_finite: that looks at the gradients only (not the
+        # loss), adds state of its own (checkpoints of earlier runs would not restore), returns
+        # zero updates (p + 0 turns -0.0 into 0.0, so "unchanged" would not be bitwise), and
+        # applies a non-finite update after max_consecutive_errors skips; here the run loop
+        # stops instead (`train._run_steps`). The select is elementwise, fusable into the update.
+        params, opt_state = optax.tree.where(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
+        metrics["skipped"] = ~finite
+        return params, opt_state, metrics
 
     return step
 
@@ -131,8 +148,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
 class TrainStep:
     """A jitted train step and what it runs on.
 
-    fn: jitted (params, opt_state, batch) -> (params, opt_state, metrics); params and opt_state
-      are donated.
+    fn: jitted (params, opt_state, batch) -> (params, opt_state, metrics) of `make_train_step`;
+      params and opt_state are donated; batch as ``abstract_batch``.
     abstract_params / abstract_opt_state / abstract_batch: its inputs as trees of
       ``jax.ShapeDtypeStruct`` with shardings (``fn.lower(*step.abstract_inputs)`` compiles it
       without allocating anything).

@@ -69,15 +69,17 @@ class VocabMap:
         return self.ids[m]
 
     def map_examples(self, examples, where: str = "") -> list:
-        """Training examples [(input_ids, labels)] of Qwen ids -> the same in model ids
-        (IGNORE_INDEX labels kept). Raises ValueError as `to_model`."""
+        """Training examples [`data.Example`] of Qwen ids -> the same in model ids
+        (IGNORE_INDEX labels and source rows kept). Raises ValueError as `to_model`."""
         out = []
-        for ids, labels in examples:
-            mapped = np.where(labels == IGNORE_INDEX, 0, labels)
+        for e in examples:
+            mapped = np.where(e.labels == IGNORE_INDEX, 0, e.labels)
             out.append(
-                (
-                    self.to_model(ids, where),
-                    np.where(labels == IGNORE_INDEX, IGNORE_INDEX, self.to_model(mapped, where)),
+                e._replace(
+                    input_ids=self.to_model(e.input_ids, where),
+                    labels=np.where(
+                        e.labels == IGNORE_INDEX, IGNORE_INDEX, self.to_model(mapped, where)
+                    ),
                 )
             )
         return out

@@ -100,6 +100,7 @@ _RESUMABLE_CHANGES = (
     "train.max_to_keep",
     "train.keep_every",
     "train.restore_fallback",
+    "train.max_consecutive_skips",
     "distributed.coordinator_address",
     "distributed.num_processes",
     "distributed.process_id",

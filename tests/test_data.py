@@ -48,11 +48,11 @@ def test_gsm8k_train_set(tok, gsm8k_train):
     elapsed = time.perf_counter() - start
     assert not skips and len(examples) == len(gsm8k_train) == 7473
     assert elapsed < 30, f"tokenizing GSM8K train took {elapsed:.1f}s"
-    for ids, labels in examples:
+    for ids, labels, _ in examples:
         assert ids.dtype == labels.dtype == np.int32 and len(ids) == len(labels)
         assert len(ids) % BS == 0 and ids[0] == IM_START_ID
     for index in (0, 1, 4321, 7472):
-        row, (ids, labels) = gsm8k_train[index], examples[index]
+        row, (ids, labels, _) = gsm8k_train[index], examples[index]
         messages = data.rows_to_messages(row, "gsm8k")
         first = int(np.argmax(labels != data.IGNORE_INDEX))
         # The prompt is exactly what decoding feeds the model; the last prompt token is the "\n"
@@ -312,7 +312,10 @@ def test_read_rows_json_array_or_clear_error(tmp_path):
 
 
 def fake_examples(n, length=BS):
-    return [(np.full(length, i, np.int32), np.full(length, i, np.int32)) for i in range(n)]
+    return [
+        data.Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
+        for i in range(n)
+    ]
 
 
 def first_ids(batch):
@@ -511,14 +514,15 @@ CALLS_TEXT = (
 
 
 def tool_example(tokenizer, messages, tools=TOOLS, **kw):
-    """The example of the row `{"messages": messages, "tools": tools}`; SkipRow if it is skipped."""
+    """(input_ids, labels) of the row `{"messages": messages, "tools": tools}`; SkipRow if it is
+    skipped."""
     rows = [{"messages": messages, "tools": tools}]
     examples, skips = data.build_examples(
         rows, tokenizer, "messages", **{"max_length": 512, "block_size": BS, **kw}
     )
     if skips:
         raise data.SkipRow(*skips)
-    return examples[0]
+    return examples[0][:2]
 
 
 @pytest.fixture(scope="module")
@@ -636,7 +640,7 @@ def test_tool_rows_the_template_cannot_render_are_skipped(tok, tool_tok):
     rows = kept + [r for rs in bad.values() for r in rs]
     examples, skips = data.build_examples(rows, tool_tok, "messages", max_length=512, block_size=BS)
     assert skips == {reason: len(rs) for reason, rs in bad.items()} and len(examples) == len(kept)
-    for (ids, labels), r in zip(examples[:5], kept):
+    for (ids, labels, _), r in zip(examples[:5], kept):
         assert "<tools>" in tool_tok.decode(ids) and "<tool_call>\n{" in tool_tok.decode(ids)
         assert labelled_text(tool_tok, labels).startswith(("<tool_call>", "21 °C."))
     assert examples[0][0].tolist() == examples[2][0].tolist() == examples[1][0].tolist()

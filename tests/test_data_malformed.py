@@ -301,7 +301,7 @@ def test_malformed_rows_are_skipped_by_reason_and_kept_rows_label_their_answer(t
     }
     answers = [content for kind, content in flat if kind == "kept"]
     assert len(examples) == len(answers)
-    for (ids, labels), content in zip(examples, answers):
+    for (ids, labels, _), content in zip(examples, answers):
         mask = labels != data.IGNORE_INDEX
         np.testing.assert_array_equal(labels[mask], ids[mask])
         first = int(np.argmax(mask))
@@ -326,7 +326,7 @@ def test_long_answers_are_cut_by_default(tok):
         rows, tok, "messages", max_length=MAX_LENGTH, block_size=BS, source_name="long"
     )
     assert not skips and len(examples) == len(contents)
-    for (ids, labels), content in zip(examples, contents):
+    for (ids, labels, _), content in zip(examples, contents):
         mask = labels != data.IGNORE_INDEX
         text = tok.decode(ids[mask], skip_special_tokens=False)
         assert len(ids) == MAX_LENGTH and text == content[: len(text)] and len(text) > 0
@@ -363,7 +363,7 @@ def test_config_key_reaches_training_data(tmp_path, tok):
     cfg = tiny.get_config()
     cfg.data.update(source="gsm8k", train_path=str(path), max_bad_fraction=0.25)
     examples = train.load_train_examples(cfg, tok)
-    assert [tok.decode(ids[labels != data.IGNORE_INDEX]) for ids, labels in examples] == [
+    assert [tok.decode(ids[labels != data.IGNORE_INDEX]) for ids, labels, _ in examples] == [
         "a0", "a1", "a2"
     ]
     cfg.data.max_bad_fraction = 0.2

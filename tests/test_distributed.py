@@ -274,7 +274,10 @@ def test_cluster_detection_is_jax_own(monkeypatch):
 
 
 def fake_examples(n, length=4):
-    return [(np.full(length, i, np.int32), np.full(length, i, np.int32)) for i in range(n)]
+    return [
+        data.Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
+        for i in range(n)
+    ]
 
 
 def test_batched_dataset_rows_are_the_process_share():

@@ -132,7 +132,7 @@ def test_trimmed_run_keeps_the_data_ids(trimmed):
     workdir, cfg = trimmed
     tok = load_tokenizer()
     ids = saved_ids(workdir)
-    train_ids = {i for x, _ in train.load_train_examples(cfg, tok) for i in x.tolist()}
+    train_ids = {i for e in train.load_train_examples(cfg, tok) for i in e.input_ids.tolist()}
     eval_ids = set()
     for prompt, answer in data.eval_examples("synthetic", num_examples=3, seed=cfg.seed + 1):
         eval_ids |= set(tok.apply_chat_template(prompt, add_generation_prompt=True))
@@ -159,8 +159,11 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
     index = {q: i for i, q in enumerate(saved_ids(stage1))}
     to_model = np.vectorize(lambda q: index.get(int(q), q))  # keeps IGNORE_INDEX
     examples = [
-        (to_model(x).astype(np.int32), to_model(y).astype(np.int32))
-        for x, y in train.load_train_examples(cfg, load_tokenizer())
+        e._replace(
+            input_ids=to_model(e.input_ids).astype(np.int32),
+            labels=to_model(e.labels).astype(np.int32),
+        )
+        for e in train.load_train_examples(cfg, load_tokenizer())
     ]
     batch = data.batched_dataset(
         examples, batch_size=4, max_length=cfg.data.max_length, seed=cfg.seed,
