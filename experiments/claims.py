@@ -1,7 +1,7 @@
 r"""The paper's three claims (arXiv 2604.07023, Sec. 5) side by side, at a scale one machine runs.
 
   python -m experiments.claims --config=experiments/claims_config.py:synthetic \
-      --workdir=experiments/runs/synthetic
+      --workdir=runs/claims_synthetic
 
 One stage-1 (AR SFT) run, then from its final checkpoint:
 
@@ -29,14 +29,10 @@ import os
 import time
 
 import jax
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
 from mars_jax import cli, evaluate, plots, train
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (claims_config.py).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the runs.", required=True)
-_RESULTS = flags.DEFINE_string("results", "experiments/results", "Where tables and plots go.")
+from mars_jax import workdir as wd
 
 
 def run_configs(exp) -> dict:
@@ -91,7 +87,9 @@ def _finished_eval(workdir: str, cfg) -> dict | None:
 def run_each(exp, root: str):
     """Trains and evaluates every run of `run_configs` under ``root`` (skipping finished work),
     yielding (name, {"report": evaluation report, "train_s": s, "eval_s": s}) as each run ends,
-    with the seconds this invocation spent on it (0 for skipped work)."""
+    with the seconds this invocation spent on it (0 for skipped work). Returns early when a run
+    stops before its last step (SIGTERM or Ctrl-C: `mars_jax.train` saves and returns), so no
+    later run starts from an unfinished stage 1."""
     for name, cfg in run_configs(exp).items():
         workdir = os.path.join(root, name)
         if name != "stage1":
@@ -99,6 +97,10 @@ def run_each(exp, root: str):
         start = time.perf_counter()
         logging.info("claims: training %s", name)
         train.train(cfg, workdir)
+        with wd.Checkpoints(workdir) as checkpoints:
+            if checkpoints.latest_step() != cfg.train.num_steps:  # stopped by SIGTERM / Ctrl-C
+                logging.info("claims: %s stopped early; rerun the command to resume", name)
+                return
         trained = time.perf_counter()
         report = _finished_eval(workdir, cfg)
         if report is None:
@@ -189,17 +191,23 @@ def write_results(exp, runs: dict, results_dir: str, seconds: float) -> str:
     return text
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cli.quiet_library_logs()
-    start = time.perf_counter()
-    exp, runs = _CONFIG.value, {}
-    for name, run in run_each(exp, _WORKDIR.value):
-        runs[name] = run  # the results so far are written after every run
-        text = write_results(exp, runs, _RESULTS.value, time.perf_counter() - start)
-    print(text)
+def claims(exp, root: str, results_dir: str) -> str:
+    """Runs experiment ``exp`` under ``root`` (`run_each`), writing the results to
+    ``results_dir`` after every run (`write_results`); returns the final markdown."""
+    start, runs, text = time.perf_counter(), {}, ""
+    for name, run in run_each(exp, root):
+        runs[name] = run
+        text = write_results(exp, runs, results_dir, time.perf_counter() - start)
+    return text
+
+
+def main() -> None:
+    """``python -m experiments.claims --config=experiments/claims_config.py:NAME --workdir=DIR``."""
+    config = cli.config_flag("experiments/claims_config.py:synthetic", "Experiment config.")
+    workdir = cli.workdir_flag("Directory of the runs (one subdirectory per run).")
+    results = flags.DEFINE_string("results", "experiments/results", "Where tables and plots go.")
+    cli.run(lambda: print(claims(config.value, workdir.value, results.value)))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()
