@@ -274,21 +274,37 @@ class Checkpoints:
                         else os.path.join(base, str(self._saving)))
 
     def verify(self, step: int, items: tuple[str, ...] = (_PARAMS, _OPT_STATE, _DATA)) -> None:
-        """Checks the files of ``items`` of committed ``step`` against its ``sha256.json``: size
-        and SHA-256. Raises `CheckpointError` naming the step and the first bad file (missing,
-        truncated or changed). A step without checksums (written by an earlier mars-jax) is
-        not checked (logged). Each process reads its share of the files; all raise together."""
+        """Checks the files of ``items`` of committed ``step`` against its ``sha256.json``: the
+        manifest exists and lists every file of each item (no more, no fewer), and each file has
+        its size and SHA-256. Raises `CheckpointError` naming the step and the first bad file
+        (missing, truncated, changed, or not in the manifest) or the manifest (missing,
+        unreadable, without an item). Each process hashes its share of the files; all raise
+        together."""
         step_dir = os.path.join(str(self._manager.directory), str(step))
         manifest = os.path.join(step_dir, CHECKSUMS)
-        if not os.path.exists(manifest):
-            logging.warning("checkpoint step %d has no %s: not verified", step, CHECKSUMS)
-            return
         try:
             with open(manifest) as f:
                 sums = json.load(f)
+        except FileNotFoundError as e:
+            raise CheckpointError(
+                step, manifest, "missing: the step cannot be verified (a damaged step, or one "
+                "saved by a mars-jax without checksums)"
+            ) from e
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(step, manifest, f"unreadable checksums ({e})") from e
+        if not isinstance(sums, dict):
+            raise CheckpointError(step, manifest, "not a JSON object of checksums")
         names = sorted(n for n in sums if n.split(os.sep)[0] in items)
+        for item in items:
+            if not any(n.split(os.sep)[0] == item for n in names):
+                raise CheckpointError(step, manifest, f"lists no file of item {item!r}")
+        for item in items:
+            for root, _, files in os.walk(os.path.join(step_dir, item)):
+                for name in sorted(files):
+                    rel = os.path.relpath(os.path.join(root, name), step_dir)
+                    if name != "commit_success.txt" and rel not in sums:
+                        raise CheckpointError(step, os.path.join(step_dir, rel),
+                                              f"not in {CHECKSUMS}")
         first, reason = len(names), "failed its check on another process"
         for i in range(jax.process_index(), len(names), jax.process_count()):
             reason = _file_problem(os.path.join(step_dir, names[i]), *sums[names[i]])

@@ -132,6 +132,33 @@ def test_corrupted_file_names_step_and_file(tmp_path, damage):
         assert_same_state(reader.restore(1, abstract(tiny_state(0))), tiny_state(1))
 
 
+@pytest.mark.parametrize("damage", ["no manifest", "empty manifest", "empty step", "extra file"])
+def test_unverifiable_step_is_refused_and_falls_back(tmp_path, damage):
+    """A step whose checksums are missing or do not cover its files is never restored: a
+    `CheckpointError`, and with the fallback the previous step."""
+    save_steps(tmp_path, [1, 2])
+    step_dir = tmp_path / "checkpoints" / "2"
+    manifest = step_dir / wd.CHECKSUMS
+    if damage == "no manifest":
+        os.remove(manifest)
+    elif damage == "empty manifest":
+        manifest.write_text("{}")
+    elif damage == "empty step":
+        shutil.rmtree(step_dir)
+        os.makedirs(step_dir / "params")
+    else:
+        (step_dir / "params" / "stray").write_bytes(b"x")
+    with wd.Checkpoints(str(tmp_path)) as reader:
+        with pytest.raises(wd.CheckpointError, match="checkpoint step 2: "):
+            reader.restore_latest(abstract(tiny_state(0)))
+        with pytest.raises(wd.CheckpointError, match="checkpoint step 2: "):
+            reader.restore_params(abstract(tiny_state(0)).params)
+    with wd.Checkpoints(str(tmp_path), writer=True) as checkpoints:
+        state, step = checkpoints.restore_latest(abstract(tiny_state(0)), fallback=True)
+    assert step == 1
+    assert_same_state(state, tiny_state(1))
+
+
 def test_fallback_restores_the_previous_step_and_resaves(tmp_path, caplog):
     save_steps(tmp_path, [1, 2, 3])
     path = largest_file(tmp_path / "checkpoints" / "3")
