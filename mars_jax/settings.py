@@ -149,8 +149,20 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
         )
     if not 0 <= d.max_bad_fraction <= 1:  # NaN fails too; the ConfigDict keeps it a float
         raise SettingError("data.max_bad_fraction", d.max_bad_fraction, "must lie in [0, 1]")
-    if t.max_to_keep < 1:
-        raise SettingError("train.max_to_keep", t.max_to_keep, "must be >= 1")
+    for key in ("train.save_every", "train.log_every", "train.max_to_keep"):
+        if _get(cfg, key) < 1:
+            raise SettingError(key, _get(cfg, key), "must be >= 1")
+    if t.num_steps < 0:
+        raise SettingError("train.num_steps", t.num_steps, "must be >= 0 (0: from num_epochs)")
+    if not t.num_steps and not t.num_epochs > 0:
+        raise SettingError("train.num_epochs", t.num_epochs, "must be > 0 when num_steps is 0")
+    for key in ("train.learning_rate", "train.weight_decay", "train.warmup_ratio"):
+        if not 0 <= _get(cfg, key) < float("inf"):  # NaN fails too
+            raise SettingError(key, _get(cfg, key), "must be a finite number >= 0")
+    if t.warmup_ratio > 1:
+        raise SettingError("train.warmup_ratio", t.warmup_ratio, "must lie in [0, 1]")
+    if not t.grad_clip > 0:
+        raise SettingError("train.grad_clip", t.grad_clip, "must be > 0")
     if t.keep_every < 0:
         raise SettingError("train.keep_every", t.keep_every, "must be >= 0 (0: none)")
     if d.source not in SOURCES:

@@ -54,6 +54,14 @@ def test_defaults_pass():
         ({"eval__thresholds": (0.0,)}, "eval.thresholds", "0.0"),
         ({"train__batch_size": 16, "train__grad_accum_steps": 3}, "train.batch_size", "16"),
         ({"data__source": "csv"}, "data.source", "'csv'"),
+        ({"train__save_every": 0}, "train.save_every", "0"),  # was a ZeroDivisionError at step 1
+        ({"train__log_every": 0}, "train.log_every", "0"),
+        ({"train__num_steps": -2}, "train.num_steps", "-2"),
+        ({"train__num_steps": 0, "train__num_epochs": 0.0}, "train.num_epochs", "0.0"),
+        ({"train__learning_rate": -1.0}, "train.learning_rate", "-1.0"),
+        ({"train__learning_rate": float("nan")}, "train.learning_rate", "nan"),
+        ({"train__warmup_ratio": 1.5}, "train.warmup_ratio", "1.5"),
+        ({"train__grad_clip": 0.0}, "train.grad_clip", "0.0"),
     ],
 )
 def test_bad_setting(overrides, key, value):
