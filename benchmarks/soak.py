@@ -127,7 +127,7 @@ def soak(cfg, workdir: str, *, steps: int, eval_every: int, output: str = "") ->
                 "rss_mib": round(process.memory_info().rss / 2**20, 1),
             })
             summary = _summary(steps, eval_every, segments, compiles)
-            logging.info("soak: %s", json.dumps(segments[-1]))
+            print("soak:", json.dumps(segments[-1]), flush=True)
             if output:
                 os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
                 with open(output, "w") as f:

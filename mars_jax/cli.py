@@ -33,8 +33,9 @@ from mars_jax import settings
 
 def config_flag(default: str = "configs/tiny.py", help: str = "Run config file.") -> flags.FlagHolder:
     """Defines ``--config`` (an ml_collections config file, ``path[:stage]``, with
-    ``--config.<key>=<value>`` overrides). An override of an unknown key exits with one line
-    naming the key and the nearest valid one (ml_collections parses overrides here)."""
+    ``--config.<key>=<value>`` overrides) and ``--show_config`` (see `run`). An override of an
+    unknown key exits with one line naming the key and the nearest valid one (ml_collections
+    parses overrides here)."""
     global _config_default, _show_config
     _config_default = default
     _show_config = flags.DEFINE_bool(
