@@ -8,9 +8,10 @@ Every program's ``--help`` (and ``--helpshort``, ``--helpfull``) prints its usag
 exits 0. A program with ``--config`` also has ``--show_config``, which prints the config's keys
 and values after the overrides and exits 0 without running.
 
-Errors (`run`): a bad setting, a FileNotFoundError or FileExistsError (it names a path the user
-gave), and a ValueError raised by mars-jax's own code (a message written for the user about
-their input: a file, a row, a key, a flag) print one line ``error: MESSAGE`` and exit 1.
+Errors (`run`): a config file that does not load, a bad setting, a FileNotFoundError or
+FileExistsError (it names a path the user gave), and a ValueError raised by mars-jax's own code
+(a message written for the user about their input: a file, a row, a key, a flag) print one line
+``error: MESSAGE`` and exit 1.
 Anything else, a ValueError from a library (jax, numpy, Orbax, ...) included, keeps its
 traceback: it points at a bug.
 """
@@ -123,9 +124,14 @@ def run(main: Callable[[], None]) -> None:
     def absl_main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-        if _show_config is not None and _show_config.value:
-            print("\n".join(config_lines(flags.FLAGS["config"].value)))
-            return
+        if _show_config is not None:
+            try:  # ml_collections reports a file that did not load at the config's first use
+                lines = config_lines(flags.FLAGS["config"].value)
+            except OSError as e:
+                raise SystemExit(f"error: --config: {' '.join(str(e).split())}") from None
+            if _show_config.value:
+                print("\n".join(lines))
+                return
         for holder in _required:
             if holder.value is None:
                 raise app.UsageError(f"flag --{holder.name} is required")

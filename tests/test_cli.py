@@ -85,6 +85,10 @@ def test_bad_input_is_one_line(tmp_path):
         f"error: {tmp_path}/model.json not found: {tmp_path} is not a mars-jax run directory"
     ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    proc = run_module("mars_jax.train", "--config=configs/nope.py", f"--workdir={tmp_path}")
+    assert proc.returncode == 1
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: --config: ") and "No such file or directory" in line, line
 
 
 def raised(fn, *args):
