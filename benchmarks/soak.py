@@ -19,10 +19,11 @@ Measured:
 - Compilations: XLA backend compilations, counted with a ``jax.monitoring`` listener on
   ``/jax/core/compile/backend_compile_duration`` (one event per program compiled; a jit cache
   hit sends none). Each is attributed to the train or eval part of its segment and, inside
-  `train`, to the last step logged before it. Every `train` call builds its step function again
-  and so compiles it again before its first step; ``train_compiles_after_first_step`` counts
-  those that happen after the first logged step of a `train` call (target 0: steps never
-  recompile), ``compiles_after_warmup`` all compilations after the first segment.
+  `train`, to the last step logged before it. Every `train` call builds its step function
+  again (JAX's compilation cache may still hit); ``train_compiles_after_first_step`` counts the
+  compilations after the first logged step of a `train` call (target 0: steps never
+  recompile), ``compiles_after_warmup`` all compilations after the first segment, with the
+  compiled programs' names.
 
 Prints a JSON summary (also written to ``--output``). The workdir must be new or empty: a soak
 measures a run from its start.
