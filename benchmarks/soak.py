@@ -15,7 +15,8 @@ Measured:
 
 - Host memory: the process's resident set size (psutil), after ``gc.collect()``, at the end of
   every segment's evaluation. Warm-up is the first segment and its evaluation; ``rss_growth``
-  is (final - warm-up) / warm-up.
+  is (final - warm-up) / warm-up. Each segment also records the RSS at the first and the last
+  step its `train` call logged, which separates growth during steps from growth between calls.
 - Compilations: XLA backend compilations, counted with a ``jax.monitoring`` listener on
   ``/jax/core/compile/backend_compile_duration`` (one event per program compiled; a jit cache
   hit sends none). Each is attributed to the train or eval part of its segment and, inside
@@ -50,19 +51,27 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class _Progress(std_logging.Handler):
-    """Follows the training step from `metrics.MetricsWriter`'s log records ("step %d/%d ...")
+    """Follows the training step from `metrics.MetricsWriter`'s log records ("step %d/%d ..."),
+    notes the RSS (MiB) at the first and the latest step logged by the current `train.train` call,
     and sends this process SIGTERM when step ``stop_at`` is logged (`train.Preemption` then saves
-    it and `train.train` returns)."""
+    it and `train.train` returns). `start` resets it for the next call."""
 
     def __init__(self):
         super().__init__()
+        self._process = psutil.Process()
+        self.start(None)
+
+    def start(self, stop_at: int | None) -> None:
+        self.stop_at = stop_at
         self.step = None  # last step logged by the current train() call
-        self.stop_at = None
+        self.first_rss = self.last_rss = None
 
     def emit(self, record: std_logging.LogRecord) -> None:
         if not (isinstance(record.msg, str) and record.msg.startswith("step %d/%d")):
             return
         self.step = record.args[0]
+        self.last_rss = round(self._process.memory_info().rss / 2**20, 1)
+        self.first_rss = self.first_rss or self.last_rss
         if self.step == self.stop_at:
             signal.raise_signal(signal.SIGTERM)
 
@@ -101,14 +110,14 @@ def soak(cfg, workdir: str, *, steps: int, eval_every: int, output: str = "") ->
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
         for end in range(eval_every, steps + 1, eval_every):
-            phase["name"], progress.step = "train", None
-            progress.stop_at = end if end < steps else None
+            phase["name"] = "train"
+            progress.start(end if end < steps else None)
             start = time.perf_counter()
             record = train.train(cfg, workdir)
             train_s = time.perf_counter() - start
             if record.get("step") != end:
                 raise RuntimeError(f"the segment ending at step {end} stopped at {record}")
-            phase["name"], progress.step = "eval", None
+            phase["name"] = "eval"
             start = time.perf_counter()
             report = evaluate.evaluate(cfg, workdir, step=end)
             eval_s = time.perf_counter() - start
@@ -125,6 +134,8 @@ def soak(cfg, workdir: str, *, steps: int, eval_every: int, output: str = "") ->
                     c[1] == "train" and c[2] is not None for c in mine
                 ),
                 "eval_compiles": sum(c[1] == "eval" for c in mine),
+                "rss_first_step_mib": progress.first_rss,
+                "rss_last_step_mib": progress.last_rss,
                 "rss_mib": round(process.memory_info().rss / 2**20, 1),
             })
             summary = _summary(steps, eval_every, segments, compiles)
@@ -141,7 +152,9 @@ def soak(cfg, workdir: str, *, steps: int, eval_every: int, output: str = "") ->
 
 def _summary(steps: int, eval_every: int, segments: list[dict], compiles: list[tuple]) -> dict:
     """{steps, eval_every, complete, segments: [{step, loss, ar_nll, train_s, eval_s,
-    train_compiles, train_compiles_after_first_step, eval_compiles, rss_mib}], warmup_rss_mib,
+    train_compiles, train_compiles_after_first_step, eval_compiles, rss_first_step_mib,
+    rss_last_step_mib (RSS at the first and the last step logged by the segment's train call),
+    rss_mib (after its evaluation)}], warmup_rss_mib,
     final_rss_mib, rss_growth (fraction), compiles, compiles_after_warmup (with the programs'
     names: compiles_after_warmup_by_program), train_compiles_after_first_step}."""
     warm, final = segments[0]["rss_mib"], segments[-1]["rss_mib"]
