@@ -3,6 +3,17 @@
 Flags are defined only when a module runs as a program (inside its ``main``), never at import,
 so every module of the package imports together in one process (a notebook, a test, a sweep
 script) and each library function takes plain arguments or a ``ConfigDict``.
+
+Every program's ``--help`` (and ``--helpshort``, ``--helpfull``) prints its usage and flags and
+exits 0. A program with ``--config`` also has ``--show_config``, which prints the config's keys
+and values after the overrides and exits 0 without running.
+
+Errors (`run`): a config file that does not load, a bad setting, a FileNotFoundError or
+FileExistsError (it names a path the user gave), and a ValueError raised by mars-jax's own code
+(a message written for the user about their input: a file, a row, a key, a flag) print one line
+``error: MESSAGE`` and exit 1.
+Anything else, a ValueError from a library (jax, numpy, Orbax, ...) included, keeps its
+traceback: it points at a bug.
 """
 
 from __future__ import annotations
@@ -23,15 +34,39 @@ from mars_jax import settings
 
 def config_flag(default: str = "configs/tiny.py", help: str = "Run config file.") -> flags.FlagHolder:
     """Defines ``--config`` (an ml_collections config file, ``path[:stage]``, with
-    ``--config.<key>=<value>`` overrides). An override of an unknown key exits with one line
-    naming the key and the nearest valid one (ml_collections parses overrides here)."""
-    global _config_default
+    ``--config.<key>=<value>`` overrides) and ``--show_config`` (see `run`). An override of an
+    unknown key exits with one line naming the key and the nearest valid one (ml_collections
+    parses overrides here)."""
+    global _config_default, _show_config
     _config_default = default
+    _show_config = flags.DEFINE_bool(
+        "show_config",
+        False,
+        "Print the config's keys and values (after --config.KEY=VALUE overrides) as "
+        "'key = value' lines and exit without running.",
+    )
     with _unknown_override_exits():
         return config_flags.DEFINE_config_file("config", default, help)
 
 
 _config_default = None  # the default of the --config flag, once defined
+_show_config = None  # the --show_config flag, defined with --config
+_required = []  # flags that must be given unless --show_config is
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
+_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def config_lines(cfg, prefix: str = "") -> list[str]:
+    """``cfg`` (a ``ConfigDict``) flattened to sorted ``key = repr(value)`` lines, nested keys
+    joined with dots as in ``--config.KEY=VALUE`` overrides (e.g. ``train.batch_size = 16``)."""
+    lines = []
+    for key, value in sorted(cfg.items()):
+        if hasattr(value, "items"):
+            lines += config_lines(value, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key} = {value!r}")
+    return lines
 
 
 @contextlib.contextmanager
@@ -68,8 +103,10 @@ def _unknown_override(argv: list[str], default: str) -> str | None:
 
 
 def workdir_flag(help: str = "Run directory.") -> flags.FlagHolder:
-    """Defines the required ``--workdir``."""
-    return flags.DEFINE_string("workdir", None, help, required=True)
+    """Defines ``--workdir``, required unless ``--show_config`` is given (`run` checks it)."""
+    holder = flags.DEFINE_string("workdir", None, help + " Required.")
+    _required.append(holder)
+    return holder
 
 
 def step_flag() -> flags.FlagHolder:
@@ -79,24 +116,70 @@ def step_flag() -> flags.FlagHolder:
 
 def run(main: Callable[[], None]) -> None:
     """Parses the defined flags and runs ``main()`` (absl's ``app.run``), with library INFO
-    logs quieted (see `quiet_library_logs`). Extra positional arguments are an error; a bad
-    setting (`settings.SettingError`, `settings.MissingPath`) exits with its one-line message."""
+    logs quieted (see `quiet_library_logs`). ``--help`` exits 0; ``--show_config`` prints the
+    config (`config_lines`) instead of running. Extra positional arguments and a missing
+    required flag are usage errors. The errors of the module docstring print one line and
+    exit 1 (`is_user_error`)."""
 
     def absl_main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        if _show_config is not None:
+            try:  # ml_collections reports a file that did not load at the config's first use
+                lines = config_lines(flags.FLAGS["config"].value)
+            except OSError as e:
+                raise SystemExit(f"error: --config: {' '.join(str(e).split())}") from None
+            if _show_config.value:
+                print("\n".join(lines))
+                return
+        for holder in _required:
+            if holder.value is None:
+                raise app.UsageError(f"flag --{holder.name} is required")
         quiet_library_logs()
         try:
             main()
-        except (settings.SettingError, settings.MissingPath) as e:
-            # A bad setting (checked before any compile): one line, exit status 1.
+        except _USER_ERRORS as e:  # settings.SettingError and MissingPath among them
+            if not is_user_error(e):
+                raise
             raise SystemExit(f"error: {e}") from None
 
     # The flags defined here are the program's own: --help lists them with its other flags.
     for flag in flags.FLAGS.get_flags_for_module(__name__):
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    with _unknown_override_exits():
+    with _unknown_override_exits(), _help_exits_0(sys.argv[1:]):
         app.run(absl_main)
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Whether ``e`` is one of the errors that `run` prints as one line: a FileNotFoundError or
+    FileExistsError, or a raised ValueError whose innermost traceback frame is in this package
+    (mars-jax's own ``raise``), not in a library."""
+    if isinstance(e, (FileNotFoundError, FileExistsError)):
+        return True
+    if not isinstance(e, ValueError) or e.__traceback__ is None:
+        return False
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
+
+
+@contextlib.contextmanager
+def _help_exits_0(argv: list[str]):
+    """absl's help flags print the usage and exit 1; asked for, that is a success: exit 0."""
+    try:
+        yield
+    except SystemExit as e:
+        asked = any(_help_flag(arg) for arg in argv[: argv.index("--") if "--" in argv else None])
+        if e.code == 1 and asked:
+            raise SystemExit(0) from None
+        raise
+
+
+def _help_flag(arg: str) -> bool:
+    """Whether command-line argument ``arg`` is one of absl's help flags (--help, -?, ...)."""
+    name, _, value = arg.lstrip("-").partition("=")
+    return arg.startswith("-") and name in _HELP_FLAGS and value.lower() not in ("false", "0")
 
 
 def quiet_library_logs() -> None:
