@@ -158,13 +158,21 @@ def train(cfg, workdir: str) -> dict:
 
     Raises ValueError for a bad config (see `train_step.build_train_step`,
     `objectives.check_config`, `sharding`, `distributed.initialize`) or a resume with another
-    config, `workdir.CheckpointError` (a ValueError) for a corrupted checkpoint (without
+    config, `workdir.WorkdirInUse` (a ValueError) while another process trains in ``workdir``,
+    `workdir.CheckpointError` (a ValueError) for a corrupted checkpoint (without
     ``train.restore_fallback``), FileNotFoundError for a missing ``init_from`` or data file,
     FloatingPointError after ``train.max_consecutive_skips`` steps in a row with
     a non-finite loss or gradient norm (`SkippedSteps`).
     """
     settings.check(cfg, training=True)
     distributed.initialize(cfg.distributed)
+    # One training process per workdir: a second one stops here (workdir.WorkdirInUse).
+    with wd.RunLock(workdir) if distributed.is_primary() else contextlib.nullcontext():
+        return _train(cfg, workdir)
+
+
+def _train(cfg, workdir: str) -> dict:
+    """`train` after the settings checks, holding the workdir's run lock."""
     check_config(cfg.objective)
     model_cfg = model_config(cfg)
     settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))

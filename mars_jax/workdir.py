@@ -11,6 +11,7 @@ Layout of ``workdir``:
                     readable without this package), the optax state, and the data position;
                     plus sha256.json, the SHA-256 and size of every file of those items
   corrupt_checkpoints/<step>   a step that failed its checksums, moved aside by a fallback
+  lock              the run lock of the training process (`RunLock`)
   metrics.jsonl     one JSON object per logged training step (`mars_jax.metrics`)
   eval.json         the latest evaluation (`mars_jax.evaluate`)
   eval/step_<step>_<UTC time>.json   every evaluation, one file each, never overwritten
@@ -20,12 +21,15 @@ Layout of ``workdir``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from typing import Any, NamedTuple
 
@@ -221,6 +225,51 @@ def write_checksums(step_dir: str) -> None:
     with open(tmp, "w") as f:
         json.dump(sums, f, indent=0, sort_keys=True)
     os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+
+
+class WorkdirInUse(ValueError):
+    """Another process holds ``workdir``'s run lock (`RunLock`)."""
+
+
+class RunLock(contextlib.AbstractContextManager):
+    """The run lock of ``workdir``: an exclusive ``flock`` on ``workdir/lock``, held by the
+    process that trains there (process 0 of a multi-process run), so that a second training
+    process on the same directory (a job restarted while the first one still saves, a command
+    run twice) stops with `WorkdirInUse` instead of interleaving steps and deleting the other's
+    pending save. The file names the holder (pid, host, start time). The operating system
+    releases the lock when its process ends, however it ends (``kill -9`` included), so a lock
+    is never stale; ``flock`` may not exclude processes on other hosts of a network filesystem.
+    """
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.path = os.path.join(workdir, "lock")
+        self._file = None
+
+    def __enter__(self) -> "RunLock":
+        os.makedirs(self.workdir, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown process"
+            f.close()
+            raise WorkdirInUse(
+                f"{self.workdir} is in use by another training process ({holder}); wait for it "
+                "to end or stop it, or train in another workdir"
+            ) from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+        self._file = None
 
 
 class Checkpoints:

@@ -189,6 +189,18 @@ def test_fallback_without_an_earlier_step_raises(tmp_path):
             reader.restore_latest(abstract(tiny_state(0)), fallback=True)
 
 
+def test_a_second_training_process_on_a_workdir_stops(tmp_path):
+    """The run lock: while a process trains in a workdir, another `train` there stops at once
+    with WorkdirInUse naming the holder; the lock is free again once released."""
+    workdir = str(tmp_path / "run")
+    with wd.RunLock(workdir):
+        with pytest.raises(wd.WorkdirInUse, match=rf"{workdir} is in use .*pid {os.getpid()}"):
+            train.train(kill_config(), workdir)
+        assert not os.path.exists(os.path.join(workdir, "checkpoints"))
+    with wd.RunLock(workdir):  # released: taken again
+        pass
+
+
 @pytest.mark.parametrize(
     "key, value", [("train.max_to_keep", 0), ("train.keep_every", -1)]
 )
