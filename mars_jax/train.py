@@ -166,13 +166,16 @@ def train(cfg, workdir: str) -> dict:
     """
     settings.check(cfg, training=True)
     distributed.initialize(cfg.distributed)
-    # One training process per workdir: a second one stops here (workdir.WorkdirInUse).
-    with wd.RunLock(workdir) if distributed.is_primary() else contextlib.nullcontext():
-        return _train(cfg, workdir)
+    # One training process per workdir: a second one stops here (workdir.WorkdirInUse). Signals
+    # are caught from here on, so that one during the setup stops the run after its first step.
+    lock = wd.RunLock(workdir) if distributed.is_primary() else contextlib.nullcontext()
+    with lock, Preemption() as preemption:
+        return _train(cfg, workdir, preemption)
 
 
-def _train(cfg, workdir: str) -> dict:
-    """`train` after the settings checks, holding the workdir's run lock."""
+def _train(cfg, workdir: str, preemption: "Preemption") -> dict:
+    """`train` after the settings checks, holding the workdir's run lock, with ``preemption``'s
+    signal handlers installed."""
     check_config(cfg.objective)
     model_cfg = model_config(cfg)
     settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
@@ -253,11 +256,11 @@ def _train(cfg, workdir: str) -> dict:
         )
     metrics = MetricsWriter(workdir, start, num_steps, primary=distributed.is_primary())
     params, opt_state, position = state
-    with Preemption(checkpoints) as preemption:
-        last = _run_steps(
-            cfg, workdir, step, schedule, dataset, checkpoints, metrics, preemption,
-            params, opt_state, position, start, num_steps,
-        )
+    preemption.checkpoints = checkpoints
+    last = _run_steps(
+        cfg, workdir, step, schedule, dataset, checkpoints, metrics, preemption,
+        params, opt_state, position, start, num_steps,
+    )
     checkpoints.close()
     metrics.close()
     return last
@@ -391,11 +394,12 @@ class Preemption(contextlib.AbstractContextManager):
     SIGTERM is left to JAX's preemption notifier and the step is agreed through Orbax's
     ``reached_preemption`` (JAX's preemption sync service), and SIGINT keeps Python's default
     (KeyboardInterrupt, no save). Handlers are installed only from the main thread, and the
-    previous ones are restored on exit.
+    previous ones are restored on exit. ``checkpoints`` (the run's `workdir.Checkpoints`, set
+    once they exist) answers the multi-process agreement.
     """
 
-    def __init__(self, checkpoints: wd.Checkpoints):
-        self._checkpoints = checkpoints
+    def __init__(self):
+        self.checkpoints: wd.Checkpoints | None = None
         self._previous = {}
         self.reason: str | None = None
 
@@ -419,7 +423,7 @@ class Preemption(contextlib.AbstractContextManager):
 
     def stop(self, done: int) -> bool:
         """Whether to stop after step ``done`` (same answer on every process)."""
-        if self._checkpoints.reached_preemption(done):
+        if self.checkpoints is not None and self.checkpoints.reached_preemption(done):
             self.reason = self.reason or "SIGTERM (preemption notice)"
         elif jax.process_count() > 1:
             return False

@@ -161,14 +161,15 @@ def train_cli(workdir):
             f"--workdir={workdir}", *cli_flags(), *PREEMPT_FLAGS]
 
 
-def interrupt_after_first_step(workdir, sig, timeout=120):
-    """Starts the train command, sends ``sig`` once metrics.jsonl holds a step, waits for it to
-    exit: returns (exit code, stderr)."""
+def interrupt(workdir, sig, when="metrics.jsonl", timeout=120):
+    """Starts the train command, sends ``sig`` once the file ``when`` of the workdir is not
+    empty (metrics.jsonl: after the first step; config.json: during the setup, before anything
+    is compiled), waits for it to exit: returns (exit code, stderr)."""
     proc = subprocess.Popen(train_cli(workdir), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    metrics, deadline = os.path.join(workdir, "metrics.jsonl"), time.time() + timeout
+    marker, deadline = os.path.join(workdir, when), time.time() + timeout
     try:
-        while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        while not (os.path.exists(marker) and os.path.getsize(marker) > 0):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.time() < deadline, "no step logged"
             time.sleep(0.02)
@@ -188,11 +189,11 @@ def straight_preempt_run(tmp_path_factory):
     return workdir
 
 
-def stop_by_signal(workdir, sig) -> int:
-    """Interrupts the train command in ``workdir`` with ``sig`` after its first step and checks
+def stop_by_signal(workdir, sig, when="metrics.jsonl") -> int:
+    """Interrupts the train command in ``workdir`` with ``sig`` (see `interrupt`) and checks
     the stop: exit 0, no traceback, one line naming the saved step, a checkpoint of that step
     only (with its data position). Returns the saved step."""
-    code, stderr = interrupt_after_first_step(workdir, sig)
+    code, stderr = interrupt(workdir, sig, when)
     assert code == 0, stderr[-3000:]
     assert "Traceback" not in stderr
     assert "starting a fresh run" in stderr
@@ -222,9 +223,10 @@ def test_sigterm_saves_the_step_and_the_rerun_resumes(straight_preempt_run, tmp_
     assert_same_params(a, b, atol=0)
 
 
-def test_sigint_saves_the_step(tmp_path):
-    """Ctrl-C (SIGINT) stops the run the same way (resuming is the SIGTERM test's)."""
-    stop_by_signal(str(tmp_path / "run"), signal.SIGINT)
+def test_sigint_during_setup_saves_the_first_step(tmp_path):
+    """Ctrl-C (SIGINT) stops the run the same way (resuming is the SIGTERM test's), also when it
+    comes during the setup, before the first step: the run stops after step 1 and saves it."""
+    assert stop_by_signal(str(tmp_path / "run"), signal.SIGINT, when="config.json") == 1
 
 
 def test_stage2_starts_from_stage1(stage1, tmp_path):
