@@ -204,9 +204,12 @@ def _json_lines(
             f"object ({dict(reasons)}); the first at lines {', '.join(str(n) for n, _ in shown)}"
         )
         if num_bad / num_lines > max_bad_fraction:
-            raise ValueError(
-                f"{shown[0][1]}; {summary}: more than max_bad_fraction={max_bad_fraction}"
+            limit = (
+                f"more than max_bad_fraction={max_bad_fraction}" if max_bad_fraction
+                else "this file must be valid throughout (data.max_bad_fraction applies to "
+                "training files only)"
             )
+            raise ValueError(f"{shown[0][1]}; {summary}: {limit}")
         logging.warning("%s: %s, skipped: %s", path, summary, "; ".join(m for _, m in shown))
     return rows, reasons
 

@@ -354,6 +354,8 @@ def test_bad_lines_stop_the_read_only_past_the_fraction(mixture, caplog):
     assert message.startswith(f"{path}:{bad[0]}: ") and "\n" not in message
     assert f"{len(bad)} of {num_lines} non-blank lines ({fraction:.2%})" in message
     assert f"the first at lines {first}" in message and f"max_bad_fraction={below}" in message
+    with pytest.raises(ValueError, match="this file must be valid throughout"):  # default 0
+        data.read_rows(path)
 
 
 def test_config_key_reaches_training_data(tmp_path, tok):
