@@ -166,16 +166,15 @@ def train(cfg, workdir: str) -> dict:
     """
     settings.check(cfg, training=True)
     distributed.initialize(cfg.distributed)
-    # One training process per workdir: a second one stops here (workdir.WorkdirInUse). Signals
-    # are caught from here on, so that one during the setup stops the run after its first step.
-    lock = wd.RunLock(workdir) if distributed.is_primary() else contextlib.nullcontext()
-    with lock, Preemption() as preemption:
-        return _train(cfg, workdir, preemption)
+    # Signals are caught from here on, so that one during the setup stops the run after its
+    # first step; the workdir's run lock, taken in _train, is released on the way out.
+    with contextlib.ExitStack() as stack, Preemption() as preemption:
+        return _train(cfg, workdir, preemption, stack)
 
 
-def _train(cfg, workdir: str, preemption: "Preemption") -> dict:
-    """`train` after the settings checks, holding the workdir's run lock, with ``preemption``'s
-    signal handlers installed."""
+def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitStack) -> dict:
+    """`train` after the settings checks, with ``preemption``'s signal handlers installed; the
+    run lock goes on ``stack``."""
     check_config(cfg.objective)
     model_cfg = model_config(cfg)
     settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
@@ -220,6 +219,8 @@ def _train(cfg, workdir: str, preemption: "Preemption") -> dict:
             }
         )
     run_config = cfg.to_json_best_effort(indent=2)
+    if distributed.is_primary():  # one training process per workdir (workdir.WorkdirInUse)
+        stack.enter_context(wd.RunLock(workdir))
     checkpoints = wd.Checkpoints(
         workdir, max_to_keep=t.max_to_keep, keep_every=t.keep_every, writer=True
     )
