@@ -66,7 +66,7 @@ def test_missing_ids_and_bad_maps_are_refused():
     vmap = vocab.VocabMap([3, 10, 42])
     with pytest.raises(ValueError, match=r"^prompt 2: token id 11 is not in the trimmed"):
         vmap.to_model([10, 11, 12], "prompt 2")
-    assert vmap.missing([12, 10, 11, 12, 99]) == [12, 11, 99]
+    assert vmap.missing([12, 10, -5, 11, 12, 99]) == [12, -5, 11, 99]  # below, absent, above
     with pytest.raises(IndexError, match=r"\[0, 3\)"):
         vmap.to_qwen([0, 3])
     for bad in ([3, 3], [5, 4], [-1, 2], []):
