@@ -39,23 +39,27 @@ def run_configs(exp) -> dict:
     """The run ConfigDicts of experiment ``exp``, by run name, in the order they run.
 
     Stage 1 comes first; every other run starts from its final checkpoint (``init_from`` is
-    filled in by `run_each`). AR runs train with block_size 1 and are evaluated with one-token
-    (AR) decoding only.
+    filled in by `run_each`) with learning rate ``exp.stage2_learning_rate`` (0: stage 1's). AR
+    runs train with block_size 1 and are evaluated with one-token (AR) decoding only.
     """
-    def make(objective, steps, *, block_size=1, ar_weight=1.0, seed=None, thresholds=(1.0,)):
+    def make(
+        objective, steps, *, stage2=True, block_size=1, ar_weight=1.0, seed=None, thresholds=(1.0,)
+    ):
         cfg = exp.run.copy_and_resolve_references()
         cfg.objective.name = objective
         cfg.objective.block_size = block_size
         cfg.objective.ar_weight = ar_weight
         cfg.objective.noisy_weighting = "inverse_t" if objective == "mars" and not ar_weight else "none"
         cfg.train.num_steps = steps
+        if stage2:
+            cfg.train.learning_rate = exp.stage2_learning_rate or exp.run.train.learning_rate
         cfg.seed = exp.run.seed if seed is None else seed
         cfg.eval.thresholds = tuple(thresholds)
         cfg.eval.block_size = 0  # as trained
         return cfg
 
     runs = {
-        "stage1": make("ar", exp.stage1_steps),
+        "stage1": make("ar", exp.stage1_steps, stage2=False),
         "ar_control": make("ar", exp.stage2_steps),
     }
     for b in exp.block_sizes:
@@ -85,15 +89,17 @@ def _finished_eval(workdir: str, cfg) -> dict | None:
 
 
 def run_each(exp, root: str):
-    """Trains and evaluates every run of `run_configs` under ``root`` (skipping finished work),
+    """Trains and evaluates every run of `run_configs` under ``root`` (stage 1 in
+    ``exp.stage1_workdir`` where set, e.g. another experiment's; skipping finished work),
     yielding (name, {"report": evaluation report, "train_s": s, "eval_s": s}) as each run ends,
     with the seconds this invocation spent on it (0 for skipped work). Returns early when a run
     stops before its last step (SIGTERM or Ctrl-C: `mars_jax.train` saves and returns), so no
     later run starts from an unfinished stage 1."""
+    stage1 = exp.stage1_workdir or os.path.join(root, "stage1")
     for name, cfg in run_configs(exp).items():
-        workdir = os.path.join(root, name)
+        workdir = stage1 if name == "stage1" else os.path.join(root, name)
         if name != "stage1":
-            cfg.init_from = os.path.join(root, "stage1")
+            cfg.init_from = stage1
         start = time.perf_counter()
         logging.info("claims: training %s", name)
         train.train(cfg, workdir)

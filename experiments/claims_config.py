@@ -4,6 +4,9 @@
                  arithmetic problems: CPU minutes per run
   synthetic_gpu  the same data with a 12 x 512 model (bf16 compute), 3x the steps and no extra
                  seed (an accelerator)
+  synthetic_stage2_lr
+                 synthetic's stage 1 (run it first) continued at a quarter of its learning
+                 rate for 300 steps: only the AR control and MARS B = 4
   smoke          two steps per run, for checking the script end to end
 """
 
@@ -21,6 +24,8 @@ def get_config(name: str = "synthetic") -> ml_collections.ConfigDict:
         "run": run,
         "stage1_steps": 1000,
         "stage2_steps": 100,
+        "stage2_learning_rate": 0.0,  # peak learning rate of the runs after stage 1; 0: stage 1's
+        "stage1_workdir": "",  # "": <workdir>/stage1; else an existing stage-1 run to start from
         "block_sizes": (4, 8, 16),
         "ar_weights": (1.0, 0.0),
         "extra_seeds": (1,),  # the first MARS run again with these seeds
@@ -42,6 +47,15 @@ def get_config(name: str = "synthetic") -> ml_collections.ConfigDict:
         run.eval.num_examples = 256
         exp.stage1_steps, exp.stage2_steps = 1200, 600
         exp.extra_seeds = ()
+    elif name == "synthetic_stage2_lr":
+        exp.description = (
+            "configs/synthetic.py's stage 1 continued at a quarter of its learning rate for 300 "
+            "steps: the AR control and MARS B = 4"
+        )
+        exp.stage1_workdir = "runs/claims_synthetic/stage1"
+        exp.stage2_steps = 300
+        exp.stage2_learning_rate = 5e-4
+        exp.block_sizes, exp.ar_weights, exp.extra_seeds = (4,), (1.0,), ()
     elif name == "smoke":
         exp.description = "two steps per run (checks the script, learns nothing)"
         run.model.update(hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8)
@@ -53,5 +67,7 @@ def get_config(name: str = "synthetic") -> ml_collections.ConfigDict:
         exp.stage1_steps, exp.stage2_steps = 2, 2
         exp.block_sizes = (4, 8)
     else:
-        raise ValueError(f"unknown experiment {name!r}: synthetic | synthetic_gpu | smoke")
+        raise ValueError(
+            f"unknown experiment {name!r}: synthetic | synthetic_stage2_lr | synthetic_gpu | smoke"
+        )
     return exp

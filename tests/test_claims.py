@@ -63,3 +63,48 @@ def test_tables_show_each_run_where_it_belongs():
 def test_unknown_experiment():
     with pytest.raises(ValueError, match="unknown experiment"):
         claims_config.get_config("nope")
+
+
+def test_stage2_learning_rate_and_a_stage1_from_elsewhere(monkeypatch, tmp_path):
+    exp = claims_config.get_config("synthetic_stage2_lr")
+    runs = claims.run_configs(exp)
+    assert list(runs) == ["stage1", "ar_control", "mars_b4_ar1"]
+    assert runs["stage1"].train.learning_rate == exp.run.train.learning_rate
+    assert exp.stage2_learning_rate not in (0, exp.run.train.learning_rate)
+    for name in ("ar_control", "mars_b4_ar1"):
+        assert runs[name].train.learning_rate == exp.stage2_learning_rate
+    default = claims.run_configs(claims_config.get_config("synthetic"))
+    assert {c.train.learning_rate for c in default.values()} == {exp.run.train.learning_rate}
+
+    # run_each trains (resumes) stage 1 where stage1_workdir says, and starts every run from it.
+    exp.stage1_workdir = str(tmp_path / "elsewhere" / "stage1")
+    steps, trained = {}, []
+
+    def fake_train(cfg, workdir):
+        trained.append((workdir, cfg.init_from))
+        steps[workdir] = cfg.train.num_steps
+
+    class FakeCheckpoints:
+        def __init__(self, workdir):
+            self.workdir = workdir
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def latest_step(self):
+            return steps[self.workdir]
+
+    monkeypatch.setattr(claims.train, "train", fake_train)
+    monkeypatch.setattr(claims.wd, "Checkpoints", FakeCheckpoints)
+    monkeypatch.setattr(claims.evaluate, "evaluate", lambda cfg, workdir: {"step": 0})
+    done = [name for name, _ in claims.run_each(exp, str(tmp_path / "root"))]
+    assert done == list(runs)
+    root = str(tmp_path / "root")
+    assert trained == [
+        (exp.stage1_workdir, ""),
+        (f"{root}/ar_control", exp.stage1_workdir),
+        (f"{root}/mars_b4_ar1", exp.stage1_workdir),
+    ]
