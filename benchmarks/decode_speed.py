@@ -85,9 +85,9 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from mars_jax import cli, data, decode, huggingface, workdir as wd
+from mars_jax import cli, data, decode, huggingface, vocab, workdir as wd
 from mars_jax.model import ModelConfig, Qwen2, init_cache
-from mars_jax.tokenizer import ENDOFTEXT_ID
+from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
 MODELS = ("trained", "qwen0_5b_shape")
 # MARS decoders: the `decode.generate` keywords besides block size and threshold.
@@ -116,7 +116,9 @@ class Subject:
     prompts: token-id lists; a batch size b decodes the first ``b * ceil(min_prompts / b)``
       (a whole number of full batches: no filler rows), so every decoder at b sees the same ones.
     block_size: MARS block size; max_new_tokens: completion budget per row (tokens).
-    eos_ids: stop tokens of every decoder (empty: never stop); pad_id: prompt padding id.
+    eos_ids: stop tokens of every decoder (empty: never stop); pad_id: prompt padding id;
+      mask_id: the <|mask|> id MARS decoders append (all three in the model's ids: a trimmed
+      run's differ from Qwen2.5's).
     min_prompts: prompts decoded per configuration, at least (see prompts).
     one_threshold: time MARS decoders at the lowest threshold only (meaningless acceptance).
     none_max_batch: largest batch size at which ``none`` (full recompute) is timed.
@@ -130,6 +132,7 @@ class Subject:
     max_new_tokens: int
     eos_ids: tuple[int, ...]
     pad_id: int = ENDOFTEXT_ID
+    mask_id: int = MASK_ID
     min_prompts: int = 1
     one_threshold: bool = False
     none_max_batch: int | None = None
@@ -182,7 +185,8 @@ def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir:
             prompts = [prompts[i % len(prompts)] for i in range(need)]
             subjects.append(make_subject(
                 name, model, prompts, block_size=wd.trained_block_size(workdir),
-                max_new_tokens=max_new_tokens, pad_id=tok.pad_id, min_prompts=num_prompts,
+                max_new_tokens=max_new_tokens, eos_ids=vocab.model_ids(tok, decode.DEFAULT_EOS_IDS),
+                pad_id=tok.pad_id, mask_id=tok.mask_id, min_prompts=num_prompts,
             ))
         elif name == "qwen0_5b_shape":
             from configs import qwen0_5b
@@ -286,7 +290,8 @@ def decoder_run(s: Subject, decoder: str, *, batch: int, threshold: float):
         return lambda: transformers_generate(s.hf, prompts, **common)
     block_size, kwargs = (s.block_size, MARS[decoder]) if decoder in MARS else (1, AR)
     return lambda: decode.generate_batched(s.model, prompts, block_size=block_size,
-                                           threshold=threshold, **kwargs, **common)
+                                           threshold=threshold, mask_id=s.mask_id, **kwargs,
+                                           **common)
 
 
 def best_seconds(runs, repeats: int) -> list[float]:

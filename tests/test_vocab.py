@@ -236,3 +236,21 @@ def test_export_of_a_trimmed_run_is_refused(trimmed, tmp_path):
     with pytest.raises(ValueError, match=r"trimmed vocabulary \(\d+ rows.*export is refused"):
         export.export_run(trimmed[0], str(out))
     assert not out.exists()
+
+
+def test_decode_speed_benchmark_speaks_a_trimmed_runs_ids(trimmed):
+    """benchmarks/decode_speed.py on a trimmed run: stop, pad and mask ids are the model's
+    (Qwen2.5's <|mask|> 151665 lies past the trimmed embedding), and transformers' greedy
+    generate on the same weights gives our AR tokens."""
+    from benchmarks import decode_speed as ds
+
+    workdir, cfg = trimmed
+    (s,) = ds.build_subjects(["trained"], batch_sizes=[2], workdir=workdir, config=cfg,
+                             num_prompts=2, max_new_tokens=4)
+    vmap = vocab.VocabMap(saved_ids(workdir))
+    assert s.eos_ids == tuple(vmap.to_model(list(decode.DEFAULT_EOS_IDS)).tolist())
+    assert s.mask_id == int(vmap.to_model([MASK_ID])[0]) < len(vmap)
+    assert s.pad_id == int(vmap.to_model([ENDOFTEXT_ID])[0])
+    rows = ds.benchmark([s], batch_sizes=[2], thresholds=[0.9], repeats=1)
+    by = {r["decoder"]: r for r in rows}
+    assert by["transformers"]["same_as_ar"] == 1.0 and by["verify"]["same_as_ar"] == 1.0
