@@ -104,10 +104,10 @@ class VocabMap:
     def load(cls, path: str) -> "VocabMap":
         """The map saved at ``path`` by `save`. Raises ValueError naming the file when it holds
         no sorted, unique id list."""
-        with open(path) as f:
-            saved = json.load(f)
-        try:
-            return cls(saved["qwen_ids"])
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:  # a JSONDecodeError (truncated file) and a UnicodeDecodeError are ValueErrors
+            return cls(json.loads(raw)["qwen_ids"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: not a vocabulary map ({e})") from None
 

@@ -90,9 +90,41 @@ def write_vocab_map(workdir: str, vmap: vocab.VocabMap) -> None:
 
 def read_vocab_map(workdir: str) -> vocab.VocabMap | None:
     """The id map of the run in ``workdir``, or None for an untrimmed run (no vocab_map.json).
-    Raises ValueError for a malformed file."""
+    Raises ValueError for a malformed file, or one whose id count is not the embedding rows of
+    ``workdir/model.json`` (where that exists): model id m would be read as another token."""
     path = os.path.join(workdir, VOCAB_MAP)
-    return vocab.VocabMap.load(path) if os.path.exists(path) else None
+    if not os.path.exists(path):
+        return None
+    vmap = vocab.VocabMap.load(path)
+    if os.path.exists(os.path.join(workdir, "model.json")):
+        rows = read_model_config(workdir).vocab_size
+        if len(vmap) != rows:
+            raise ValueError(
+                f"{path}: {len(vmap)} ids, but the model (model.json) has {rows} embedding "
+                "rows: the map is not this run's"
+            )
+    return vmap
+
+
+def _check_vocab(workdir: str, vmap: vocab.VocabMap | None, tok: Tokenizer, rows: int) -> None:
+    """Raises ValueError when a run's model ids cannot be read as tokens: a run trained with
+    ``data.trim_vocab`` (config.json) but without vocab_map.json (its ids would be read as
+    Qwen ids: garbage text), or a map whose ids lie past the tokenizer's."""
+    path = os.path.join(workdir, VOCAB_MAP)
+    if vmap is None:
+        config = os.path.join(workdir, "config.json")
+        trimmed = False
+        if os.path.exists(config):
+            trimmed = bool(read_run_config(workdir).get("data", {}).get("trim_vocab", False))
+        if trimmed:
+            raise ValueError(
+                f"{path} not found: {workdir} was trained with data.trim_vocab=True ({rows} "
+                "embedding rows), and its model ids mean nothing without the map"
+            )
+    elif int(vmap.ids[-1]) >= len(tok):
+        raise ValueError(
+            f"{path}: id {int(vmap.ids[-1])} lies past the tokenizer's {len(tok)} ids"
+        )
 
 
 # Keys that may differ when a run is resumed: they do not change what is computed. The
@@ -498,6 +530,8 @@ def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = Non
     with Checkpoints(workdir) as checkpoints:
         params, step = checkpoints.restore_params(abstract, step)
     tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
-    if (vmap := read_vocab_map(workdir)) is not None:
+    vmap = read_vocab_map(workdir)
+    _check_vocab(workdir, vmap, tok, cfg.vocab_size)
+    if vmap is not None:
         tok = vocab.MappedTokenizer(tok, vmap)
     return nnx.merge(graphdef, params), tok, step

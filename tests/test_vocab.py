@@ -238,6 +238,50 @@ def test_export_of_a_trimmed_run_is_refused(trimmed, tmp_path):
     assert not out.exists()
 
 
+def _damaged_copy(run, tmp_path, damage):
+    """A copy of ``run`` (run files and checkpoints) with ``damage(path of vocab_map.json)``."""
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("lock"))
+    damage(os.path.join(copy, "vocab_map.json"))
+    return copy
+
+
+def _write_ids(ids):
+    def damage(path):
+        with open(path, "w") as f:
+            json.dump({"qwen_ids": ids}, f)
+    return damage
+
+
+@pytest.mark.parametrize("name", ["removed", "truncated", "one_id_short", "past_the_tokenizer"])
+def test_a_damaged_vocab_map_is_refused_naming_the_file(trimmed, tmp_path, name):
+    """A trimmed run whose vocab_map.json is gone, unreadable or not the model's is refused by
+    every loader (generate, evaluate, the lm_eval adapter and export all go through
+    `workdir.load_model`) with a message naming the file, never decoded with shifted or
+    untranslated ids (without the map, a 128-row model decoded as Qwen ids: garbage text, and
+    export wrote it as a Hugging Face checkpoint)."""
+    ids = saved_ids(trimmed[0])
+    damage, match = {
+        "removed": (os.remove, r"vocab_map.json not found: .* data.trim_vocab=True"),
+        "truncated": (lambda p: open(p, "w").write('{"qwen_ids": [0, 1'),
+                      r"vocab_map.json: not a vocabulary map \(Expecting"),
+        "one_id_short": (_write_ids(ids[1:]),
+                         rf"vocab_map.json: {len(ids) - 1} ids, but the model \(model.json\) "
+                         rf"has {len(ids)} embedding rows"),
+        "past_the_tokenizer": (_write_ids(ids[:-1] + [999_999]),
+                               r"vocab_map.json: id 999999 lies past the tokenizer's"),
+    }[name]
+    copy = _damaged_copy(trimmed[0], tmp_path, damage)
+    with pytest.raises(ValueError, match=match):
+        wd.load_model(copy)
+    out = tmp_path / "hf_out"
+    with pytest.raises(ValueError, match="vocab_map.json"):  # refused (as trimmed, or damaged)
+        export.export_run(copy, str(out))
+    assert not out.exists()
+
+
 def test_decode_speed_benchmark_speaks_a_trimmed_runs_ids(trimmed):
     """benchmarks/decode_speed.py on a trimmed run: stop, pad and mask ids are the model's
     (Qwen2.5's <|mask|> 151665 lies past the trimmed embedding), and transformers' greedy
