@@ -85,6 +85,18 @@ lm_eval's results (`get_model_info`).
                  seed: int = 0, max_gen_toks: int = 256, max_length: int = 2048,
                  batch_size: int | str | None = None, max_batch_size=None, device=None):
         super().__init__()
+        # Checked before the model is loaded: decode.generate would refuse them only at the
+        # first generate_until request, after lm_eval's task setup and any loglikelihood tasks.
+        if not 0.0 < float(threshold) <= 1.0:
+            raise ValueError(f"mars_jax: threshold must lie in (0, 1], got {threshold!r}")
+        if cache_mode not in decode.CACHE_MODES:
+            raise ValueError(
+                f"mars_jax: cache_mode must be one of {decode.CACHE_MODES}, got {cache_mode!r}"
+            )
+        if rule not in decode.RULES:
+            raise ValueError(f"mars_jax: rule must be one of {decode.RULES}, got {rule!r}")
+        if block_size is not None and int(block_size) < 1:
+            raise ValueError(f"mars_jax: block_size must be >= 1, got {block_size!r}")
         try:
             self.batch_size = int(batch_size or 1)
         except ValueError:
@@ -138,6 +150,14 @@ lm_eval's results (`get_model_info`).
         """The token ids of ``string`` (no BOS/EOS added; written control tokens become ids)."""
         return self.tokenizer.encode(string)
 
+    def _encode_request(self, i: int, context: str) -> list[int]:
+        """The ids of request ``i``'s context (<|endoftext|> for an empty one). Raises
+        ValueError naming the request, e.g. for a token outside a trimmed run's vocabulary."""
+        try:
+            return self.tok_encode(context) or [self.prefix_token_id]
+        except ValueError as e:
+            raise ValueError(f"mars_jax: request {i}: {e}") from None
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False):
         """[(log-prob float, greedy bool)] per ((context, continuation), context ids,
         continuation ids) request (context ids non-empty)."""
@@ -185,8 +205,7 @@ lm_eval's results (`get_model_info`).
             by_temperature.setdefault(temperature, []).append(i)
         texts = [""] * len(requests)
         for temperature, rows in by_temperature.items():
-            prompts = [self.tok_encode(requests[i].args[0]) or [self.prefix_token_id]
-                       for i in rows]
+            prompts = [self._encode_request(i, requests[i].args[0]) for i in rows]
             out = decode.generate_batched(
                 self.model, prompts, batch_size=self.batch_size, pad_id=self.tokenizer.pad_id,
                 seed=self.seed, temperature=temperature,

@@ -200,6 +200,26 @@ def test_a_trimmed_run_decodes_in_its_ids_and_stops_at_its_eos(tmp_path):
     lm = MarsLM(workdir=workdir, threshold=1.0, max_gen_toks=12)
     got = lm.generate_until([Instance("generate_until", {}, (context, {"until": []}), 0)])
     assert got == [tok.decode([kept[m] for m in expected])]
+    # A context with a token outside the run's vocabulary: refused, naming the request.
+    outside = [Instance("generate_until", {}, (c, {"until": []}), i)
+               for i, c in enumerate([context, "Café?"])]
+    with pytest.raises(ValueError, match=r"^mars_jax: request 1: token .* is not in this run's"):
+        lm.generate_until(outside)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"threshold": 0.0}, r"threshold must lie in \(0, 1\], got 0.0"),
+    ({"threshold": 1.5}, r"threshold must lie in \(0, 1\], got 1.5"),
+    ({"threshold": float("nan")}, r"threshold must lie in \(0, 1\], got nan"),
+    ({"cache_mode": "slidng"}, r"cache_mode must be one of .*'slidng'"),
+    ({"rule": "probs"}, r"rule must be one of .*'probs'"),
+    ({"block_size": -1}, r"block_size must be >= 1, got -1"),
+])
+def test_bad_decoding_arguments_are_refused_before_loading(kwargs, match, tmp_path):
+    """Before the run is read (the workdir here does not exist), not at the first
+    generate_until request after lm_eval's task setup and any loglikelihood tasks."""
+    with pytest.raises(ValueError, match="^mars_jax: " + match):
+        MarsLM(workdir=str(tmp_path / "no_run"), **kwargs)
 
 
 def test_generate_until_refuses_unknown_generation_kwargs(lm):
