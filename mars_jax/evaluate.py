@@ -247,7 +247,12 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             "(set data.eval_format to the file's row format)"
         )
     block_size = e.block_size or wd.trained_block_size(workdir)
-    prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
+    prompts = []
+    for i, (messages, _) in enumerate(examples):
+        try:
+            prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
+        except ValueError as e:  # e.g. a token outside a trimmed run's vocabulary
+            raise ValueError(f"{source}: evaluation example {i}: {e}") from None
     references = [answer for _, answer in examples]
 
     def run(threshold):

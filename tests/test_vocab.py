@@ -211,6 +211,21 @@ def test_evaluate_a_trimmed_run(trimmed):
     assert [e["completion"] for e in report["results"][0]["examples"]] == texts
 
 
+def test_evaluate_names_the_example_with_a_token_outside_the_vocabulary(trimmed, tmp_path):
+    """Evaluation data the run never saw (GSM8K for a synthetic run): the refusal names the
+    file and the example, not only the token."""
+    rows = tmp_path / "test.jsonl"
+    prompts, _ = zip(*data.eval_examples("synthetic", num_examples=1, seed=1))
+    seen = prompts[0][-1]["content"]  # a question the run's vocabulary covers
+    rows.write_text("".join(
+        json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in (seen, "Café?")
+    ))
+    cfg = get_config("ar", data__source="gsm8k", data__train_path=str(rows),
+                     data__eval_path=str(rows))
+    with pytest.raises(ValueError, match=rf"^{rows}: evaluation example 1: token .* is not in"):
+        evaluate.evaluate(cfg, trimmed[0])
+
+
 # ----------------------------------------------------------------------------------------------
 # Refusals.
 
