@@ -225,10 +225,19 @@ lm_eval's results (`get_model_info`).
 
 def main() -> None:
     """``python -m mars_jax.lm_eval_adapter ARGS``: lm_eval's CLI (``lm_eval ARGS``) with the
-    ``mars_jax`` model registered."""
+    ``mars_jax`` model registered. The errors that mars-jax's own programs print as one line
+    (`cli.is_user_error`: a missing run, a bad model argument, a token outside a trimmed run's
+    vocabulary) print ``error: ...`` and exit 1 here too; any other keeps its traceback."""
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    from mars_jax import cli
+
+    try:
+        cli_evaluate()
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        if not cli.is_user_error(e):
+            raise
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -295,3 +295,25 @@ def test_lm_eval_cli_runs_a_local_gsm8k_task(lm, run_dir, tmp_path):
     requests = [Instance("generate_until", {}, tuple(s["arguments"]["gen_args_0"].values()), i)
                 for i, s in enumerate(samples)]
     assert [s["resps"][0][0] for s in samples] == lm.generate_until(requests)
+
+
+def test_the_wrapper_prints_a_mars_jax_error_as_one_line(monkeypatch, tmp_path):
+    """A bad model argument reaches the wrapper through lm_eval's CLI as a mars-jax ValueError:
+    one line ``error: ...`` and exit status 1, as the other programs (lm_eval's own errors,
+    raised in a library, keep their traceback)."""
+    import lm_eval.__main__
+
+    from mars_jax import lm_eval_adapter
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate",
+                        lambda: MarsLM(workdir=str(tmp_path), threshold=2.0))
+    with pytest.raises(SystemExit) as exit_:
+        lm_eval_adapter.main()
+    assert exit_.value.code == "error: mars_jax: threshold must lie in (0, 1], got 2.0"
+
+    def library_error():
+        int("x")  # a ValueError raised inside Python, not by mars-jax
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", library_error)
+    with pytest.raises(ValueError, match="invalid literal"):
+        lm_eval_adapter.main()
