@@ -182,7 +182,10 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     examples = load_train_examples(cfg, tok)
     vmap = vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
     if vmap is not None:
-        examples = vmap.map_examples(examples, "training data")
+        # A stage 2 on other data than its trimmed stage 1: name the row and whose map it is.
+        source = cfg.data.train_path if cfg.data.source != data.SYNTHETIC else "synthetic data"
+        owner = "init_from's" if cfg.init_from and wd.read_vocab_map(cfg.init_from) else "the"
+        examples = vmap.map_examples(examples, f"{source} ({owner} vocab_map.json)")
         tok = vocab.MappedTokenizer(tok, vmap)
         model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vmap))
         logging.info("trimmed vocabulary: %d rows", len(vmap))

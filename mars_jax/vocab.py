@@ -81,15 +81,17 @@ class VocabMap:
 
     def map_examples(self, examples, where: str = "") -> list:
         """Training examples [`data.Example`] of Qwen ids -> the same in model ids
-        (IGNORE_INDEX labels and source rows kept). Raises ValueError as `to_model`."""
+        (IGNORE_INDEX labels and source rows kept). Raises ValueError as `to_model`, naming
+        ``where`` and the example's source row."""
         out = []
         for e in examples:
+            at = f"{where + ': ' if where else ''}row {e.row}"
             mapped = np.where(e.labels == IGNORE_INDEX, 0, e.labels)
             out.append(
                 e._replace(
-                    input_ids=self.to_model(e.input_ids, where),
+                    input_ids=self.to_model(e.input_ids, at),
                     labels=np.where(
-                        e.labels == IGNORE_INDEX, IGNORE_INDEX, self.to_model(mapped, where)
+                        e.labels == IGNORE_INDEX, IGNORE_INDEX, self.to_model(mapped, at)
                     ),
                 )
             )

@@ -211,6 +211,25 @@ def test_evaluate_a_trimmed_run(trimmed):
     assert [e["completion"] for e in report["results"][0]["examples"]] == texts
 
 
+def test_stage2_on_other_data_names_the_row_and_the_map(trimmed, tmp_path):
+    """Stage 2 keeps stage 1's map, so its training rows must encode in it: a row that does not
+    is refused naming the file, the row and whose map it is (was 'training data: token id
+    ...', naming neither)."""
+    rows = tmp_path / "train.jsonl"
+    ((prompt, answer),) = data.eval_examples("synthetic", num_examples=1, seed=1)
+    rows.write_text("".join(
+        json.dumps({"question": q, "answer": a}) + "\n"
+        for q, a in ((prompt[-1]["content"], answer), ("Café?", answer))
+    ))
+    cfg = get_config("mars", init_from=trimmed[0], data__source="gsm8k",
+                     data__train_path=str(rows), data__eval_path=str(rows))
+    workdir = tmp_path / "mars"
+    with pytest.raises(ValueError, match=rf"^{rows} \(init_from's vocab_map.json\): row 1: "
+                                         r"token id \d+ is not in the trimmed vocabulary"):
+        train.train(cfg, str(workdir))
+    assert not workdir.exists()
+
+
 def test_evaluate_names_the_example_with_a_token_outside_the_vocabulary(trimmed, tmp_path):
     """Evaluation data the run never saw (GSM8K for a synthetic run): the refusal names the
     file and the example, not only the token."""
