@@ -130,14 +130,19 @@ def format_text(results: Sequence[dict]) -> str:
 def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
     """The prompts of a JSONL file of {"prompt": str, "threshold": float (optional)} objects:
     (prompts, thresholds with None where a row gives none). Raises ValueError naming the file and
-    the row for a missing or non-string prompt, or a threshold that is not a number."""
+    the row for a missing or non-string prompt, or a threshold that is not a number in (0, 1]
+    (a JSON true is not a number here)."""
     prompts, thresholds = [], []
     for i, row in enumerate(data.read_rows(path), start=1):
         prompt, threshold = row.get("prompt"), row.get("threshold")
         if not isinstance(prompt, str):
             raise ValueError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")
-        if threshold is not None and not isinstance(threshold, (int, float)):
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+        ):
             raise ValueError(f"{path}: row {i}: 'threshold' must be a number, got {threshold!r}")
+        if threshold is not None and not 0 < threshold <= 1:
+            raise ValueError(f"{path}: row {i}: 'threshold' must lie in (0, 1], got {threshold!r}")
         prompts.append(prompt)
         thresholds.append(threshold)
     return prompts, thresholds

@@ -105,3 +105,16 @@ def test_user_errors_are_ours_and_library_errors_are_not(tmp_path):
     assert not cli.is_user_error(raised(np.zeros(3).reshape, 2))  # numpy's ValueError
     assert not cli.is_user_error(raised(generate.format_text, None))  # a TypeError: a bug
     assert not cli.is_user_error(ValueError("never raised"))
+
+
+@pytest.mark.parametrize("threshold, match", [
+    (2, r"row 2: 'threshold' must lie in \(0, 1\], got 2"),
+    (0, r"row 2: 'threshold' must lie in \(0, 1\], got 0"),
+    (True, r"row 2: 'threshold' must be a number, got True"),  # was read as 1.0
+])
+def test_a_prompts_file_threshold_is_checked_naming_its_row(tmp_path, threshold, match):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "threshold": 0.5}) + "\n"
+                    + json.dumps({"prompt": "b", "threshold": threshold}) + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}: " + match):
+        generate.read_prompts(str(path))
