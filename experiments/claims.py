@@ -77,14 +77,19 @@ def run_configs(exp) -> dict:
 
 
 def _finished_eval(workdir: str, cfg) -> dict | None:
-    """The run's eval.json if it evaluates the final step at the configured thresholds."""
+    """The run's eval.json if it evaluates the final step as configured: the same thresholds,
+    number of examples, cache mode and rule (an experiment whose ``eval`` settings changed
+    since, e.g. more examples, is evaluated again, not reported with the old figures)."""
     path = os.path.join(workdir, "eval.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
         report = json.load(f)
+    e = cfg.eval
     done = report["step"] == cfg.train.num_steps
-    same = [r["threshold"] for r in report["results"]] == [float(t) for t in cfg.eval.thresholds]
+    same = [r["threshold"] for r in report["results"]] == [float(t) for t in e.thresholds] and (
+        report.get("num_examples"), report.get("cache_mode"), report.get("rule")
+    ) == (e.num_examples, e.cache_mode, e.rule)
     return report if done and same else None
 
 

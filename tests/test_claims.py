@@ -108,3 +108,22 @@ def test_stage2_learning_rate_and_a_stage1_from_elsewhere(monkeypatch, tmp_path)
         (f"{root}/ar_control", exp.stage1_workdir),
         (f"{root}/mars_b4_ar1", exp.stage1_workdir),
     ]
+
+
+def test_an_evaluation_made_with_other_eval_settings_is_not_reused(tmp_path):
+    """A rerun reuses a run's eval.json only if it was made as the experiment now asks: after
+    --config.run.eval.num_examples=... (or another cache mode or rule) the old figures would be
+    reported as the new ones."""
+    import json
+
+    cfg = claims.run_configs(claims_config.get_config("smoke"))["mars_b4_ar1"]
+    report = {"step": cfg.train.num_steps, "num_examples": cfg.eval.num_examples,
+              "cache_mode": cfg.eval.cache_mode, "rule": cfg.eval.rule,
+              "results": [{"threshold": float(t)} for t in cfg.eval.thresholds]}
+    (tmp_path / "eval.json").write_text(json.dumps(report))
+    assert claims._finished_eval(str(tmp_path), cfg) == report
+    for key, other in (("num_examples", cfg.eval.num_examples + 1), ("cache_mode", "block"),
+                       ("rule", "verify")):
+        changed = cfg.copy_and_resolve_references()
+        changed.eval[key] = other
+        assert claims._finished_eval(str(tmp_path), changed) is None, key
