@@ -129,7 +129,9 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
             # NaN fails the comparison too.
             raise SettingError("eval.thresholds", tuple(e.thresholds), f"{t!r} is outside (0, 1]")
-    for key in ("eval.batch_size", "eval.max_new_tokens"):
+    # eval.num_examples 0 or less read no synthetic problem ("no evaluation examples ... set
+    # data.eval_format") and eval.nll_examples 0 failed after all the decoding.
+    for key in ("eval.batch_size", "eval.max_new_tokens", "eval.num_examples", "eval.nll_examples"):
         if _get(cfg, key) < 1:
             raise SettingError(key, _get(cfg, key), "must be >= 1")
     t = cfg.train

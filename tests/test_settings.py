@@ -63,6 +63,9 @@ def test_defaults_pass():
         ({"train__learning_rate": float("nan")}, "train.learning_rate", "nan"),
         ({"train__warmup_ratio": 1.5}, "train.warmup_ratio", "1.5"),
         ({"train__grad_clip": 0.0}, "train.grad_clip", "0.0"),
+        ({"eval__num_examples": 0}, "eval.num_examples", "0"),
+        ({"eval__num_examples": -3}, "eval.num_examples", "-3"),
+        ({"eval__nll_examples": 0}, "eval.nll_examples", "0"),
     ],
 )
 def test_bad_setting(overrides, key, value):
