@@ -475,10 +475,16 @@ class Checkpoints:
     def restore_params(self, abstract: nnx.State, step: int | None = None):
         """The parameters of checkpoint ``step`` (default: the latest) in ``abstract``'s
         structure and shardings. Returns (State, step). Raises FileNotFoundError without
-        checkpoints, `CheckpointError` if the parameter files fail `verify`."""
+        checkpoints or for a ``step`` that was not saved (naming the saved ones),
+        `CheckpointError` if the parameter files fail `verify`."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+        if step not in (saved := list(self._manager.all_steps())):
+            raise FileNotFoundError(
+                f"no checkpoint step {step} in {self._manager.directory} (saved steps: "
+                f"{', '.join(map(str, sorted(saved)))})"
+            )
         self.verify(step, (_PARAMS,))
         target = nnx.to_pure_dict(abstract)
         restored = self._manager.restore(

@@ -230,6 +230,13 @@ def test_stage2_on_other_data_names_the_row_and_the_map(trimmed, tmp_path):
     assert not workdir.exists()
 
 
+def test_a_step_that_was_not_saved_is_named_with_the_saved_ones(trimmed):
+    """--step of a step never saved (was: 'checkpoint step 7: .../7/sha256.json: missing: the
+    step cannot be verified (a damaged step, ...)')."""
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint step 7 in .*\(saved steps: 2\)"):
+        wd.load_model(trimmed[0], step=7)
+
+
 def test_evaluate_names_the_example_with_a_token_outside_the_vocabulary(trimmed, tmp_path):
     """Evaluation data the run never saw (GSM8K for a synthetic run): the refusal names the
     file and the example, not only the token."""
