@@ -8,7 +8,9 @@ One stage-1 (AR SFT) run, then from its final checkpoint:
   ar_control          AR SFT continued for the stage-2 steps (the epoch-matched control)
   mars_b<B>_ar<w>     MARS with block size B and ar_weight w, for every B x w of the config;
                       w = 0 uses the reference's no-SFT weighting (``noisy_weighting=inverse_t``)
-  ..._seed<s>         the first MARS run again with another seed (data order), to show the noise
+  ..._seed<s>         the first MARS run again with run seed s, to show the noise: the seed orders
+                      the data, and for the built-in problems draws the training problems (s)
+                      and the held-out ones (s + 1) too
 
 Each run has its own directory under ``--workdir`` and is resumable: a rerun of the same command
 skips finished training (`mars_jax.train` resumes or returns) and finished evaluations (a run's
