@@ -22,7 +22,7 @@ def get_config(name: str = "synthetic") -> ml_collections.ConfigDict:
         "name": name,
         "description": "",
         "run": run,
-        "stage1_steps": 1000,
+        "stage1_steps": run.train.num_steps,  # configs/synthetic.py: 1,000
         "stage2_steps": 100,
         "stage2_learning_rate": 0.0,  # peak learning rate of the runs after stage 1; 0: stage 1's
         "stage1_workdir": "",  # "": <workdir>/stage1; else an existing stage-1 run to start from
@@ -53,8 +53,8 @@ def get_config(name: str = "synthetic") -> ml_collections.ConfigDict:
             "steps: the AR control and MARS B = 4"
         )
         exp.stage1_workdir = "runs/claims_synthetic/stage1"
-        exp.stage2_steps = 300
-        exp.stage2_learning_rate = 5e-4
+        stage2 = synthetic.get_config("mars").train  # configs/synthetic.py's own stage 2
+        exp.stage2_steps, exp.stage2_learning_rate = stage2.num_steps, stage2.learning_rate
         exp.block_sizes, exp.ar_weights, exp.extra_seeds = (4,), (1.0,), ()
     elif name == "smoke":
         exp.description = "two steps per run (checks the script, learns nothing)"
