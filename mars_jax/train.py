@@ -184,7 +184,9 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     if vmap is not None:
         # A stage 2 on other data than its trimmed stage 1: name the row and whose map it is.
         source = cfg.data.train_path if cfg.data.source != data.SYNTHETIC else "synthetic data"
-        owner = "init_from's" if cfg.init_from and wd.read_vocab_map(cfg.init_from) else "the"
+        owner = "the"
+        if cfg.init_from and os.path.exists(os.path.join(cfg.init_from, wd.VOCAB_MAP)):
+            owner = "init_from's"
         examples = vmap.map_examples(examples, f"{source} ({owner} vocab_map.json)")
         tok = vocab.MappedTokenizer(tok, vmap)
         model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vmap))
