@@ -559,7 +559,7 @@ def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_si
     for name in decoders:
         cache_mode, rule = DECODERS[name]
         b = 1 if name == "ar" else block_size
-        settings = decode._Settings(
+        settings = decode.DecoderSettings(
             block_size=b, max_new_tokens=max_new_tokens, eos_ids=decode.DEFAULT_EOS_IDS,
             mask_id=decode.MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
             adaptive_window=True, mesh=mesh, rules=rules, on_accept=None,

@@ -86,6 +86,7 @@ from absl import flags
 from flax import nnx
 
 from mars_jax import cli, data, decode, huggingface, vocab, workdir as wd
+from benchmarks import decode_step
 from mars_jax.model import ModelConfig, Qwen2, init_cache
 from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
@@ -426,9 +427,38 @@ def main() -> None:
     shape_new = flags.DEFINE_integer("shape_max_new_tokens", 16, "qwen0_5b_shape: new tokens.")
     repeats = flags.DEFINE_integer("repeats", 2, "Timed runs per configuration (best is kept).")
     as_json = flags.DEFINE_bool("json", False, "Print one JSON line per row, not a table.")
-    output_dir = flags.DEFINE_string("output_dir", "", "Write decode_speed.{md,jsonl,png} here.")
+    output_dir = flags.DEFINE_string(
+        "output_dir", "", "Write decode_speed.{md,jsonl,png} (decode_step.{md,jsonl}) here.")
+    # Fixed acceptance (benchmarks/decode_step.py): --accept switches to the step table.
+    accept = flags.DEFINE_list(
+        "accept", [], "Fixed acceptance: time steps where every row accepts exactly K tokens per "
+        "forward, for each K (benchmarks/decode_step.py; K > B is skipped).")
+    shapes = flags.DEFINE_list("shapes", ["qwen0_5b"], "--accept: architectures (tiny, "
+                               "qwen0_5b, qwen7b), random weights.")
+    dtypes = flags.DEFINE_list("dtypes", ["float32"], "--accept: dtypes (float32, bfloat16).")
+    block_sizes = flags.DEFINE_list("block_sizes", ["4", "8"], "--accept: block sizes B.")
+    modes = flags.DEFINE_list("modes", list(decode_step.MODES), "--accept: modes.")
+    prompt_len = flags.DEFINE_integer("prompt_len", 128, "--accept: prompt tokens per row.")
+    steps = flags.DEFINE_integer("steps", 8, "--accept: forwards per timed program.")
+
+    def run_steps():
+        rows = decode_step.benchmark(
+            shapes=shapes.value, dtypes=dtypes.value,
+            batch_sizes=[int(b) for b in batch_sizes.value],
+            block_sizes=[int(b) for b in block_sizes.value],
+            accepts=[int(k) for k in accept.value], modes=modes.value,
+            prompt_len=prompt_len.value, steps=steps.value, repeats=repeats.value,
+            emit=lambda text: print(text, flush=True))
+        header = (f"{decode_step.device_line()}; fixed acceptance, {steps.value} forwards per "
+                  f"program, best of {repeats.value}, prompts of {prompt_len.value} tokens.\n\n")
+        if as_json.value:
+            print("\n".join(json.dumps(r) for r in rows))
+        if output_dir.value:
+            decode_step.write(rows, output_dir.value, header)
 
     def run():
+        if accept.value:
+            return run_steps()
         import torch
 
         names = list(MODELS) if models.value == ["both"] else models.value

@@ -47,6 +47,13 @@ stale values; they are always rewritten before being attended.
 Under a ``mesh`` the decoder runs sharded by the training rules: parameters as placed (see
 `mars_jax.workdir.load_model`), rows over the batch axes, the KV cache's KV heads over
 ``tensor`` (`mars_jax.model.CACHE_AXES`).
+
+Structure (after gemma's sampler loop and tunix's sampler): a frozen `Decoder` (the model's
+graphdef and the static `DecoderSettings`) whose jitted methods ``prefill``, ``step`` (one
+forward) and ``result`` are pure functions over the parameters and a `DecodeState`, which also
+carries the per-row settings (threshold, max_accept, temperature, PRNG keys), so that each
+piece compiles alone and a host loop (a server) can drive them; ``Decoder.decode`` runs them as
+one ``lax.while_loop`` program. The acceptance rules are `AcceptanceRule` classes.
 """
 
 from __future__ import annotations
@@ -76,7 +83,6 @@ from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 DEFAULT_EOS_IDS = (IM_END_ID, ENDOFTEXT_ID)
 CACHE_MODES = ("sliding", "block", "none")
-RULES = ("prob", "entropy", "margin", "verify")
 
 
 @dataclasses.dataclass
@@ -138,20 +144,111 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, rows: int | None 
     return ids, lengths
 
 
-def confidence(logits: jax.Array, token: jax.Array, rule: str) -> jax.Array:
-    """float32 [...]: the confidence of choosing ``token`` [...] from ``logits`` [..., V] under
-    acceptance ``rule`` (module docstring): probability (``prob``, ``verify``), exp(-entropy)
-    (``entropy``), or probability minus the largest other probability (``margin``)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    p_token = jnp.exp(jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0])
-    if rule == "entropy":
+# -- acceptance rules -----------------------------------------------------------------------------
+class AcceptanceRule:
+    """How a step decides which candidates after the first to accept (module docstring).
+
+    A rule gives each candidate a confidence on a [0, 1] scale; a candidate is accepted while
+    its confidence (and every earlier one's) is >= the row's threshold. ``drafts`` rules
+    (``verify``) instead propose the confident candidates as drafts that the next forward checks
+    against its own AR predictions. A new rule is one subclass registered in `ACCEPTANCE_RULES`.
+    """
+
+    name: str = ""
+    drafts: bool = False  # candidates become drafts verified by the next forward
+
+    def confidence(self, logits: jax.Array, token: jax.Array) -> jax.Array:
+        """float32 [...]: the confidence of choosing ``token`` int32 [...] from ``logits``
+        [..., V]."""
+        raise NotImplementedError
+
+    def check(self, *, sampling: bool, cache_mode: str) -> None:
+        """Raises ValueError where the rule cannot run with these settings."""
+
+
+def _log_probs(logits: jax.Array) -> jax.Array:
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _token_prob(logp: jax.Array, token: jax.Array) -> jax.Array:
+    return jnp.exp(jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0])
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """int32 [...]: the first index of the largest of ``logits`` [..., V] (a NaN counts as the
+    largest), as ``jnp.argmax``. Two plain reductions (the max, then the least index holding
+    it) instead of argmax's paired (value, index) reduction, which XLA:CPU runs about 3x slower
+    over a 152k vocabulary."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
+
+
+class Prob(AcceptanceRule):
+    """The chosen token's probability (the paper's rule)."""
+
+    name = "prob"
+
+    def confidence(self, logits, token):
+        # log_softmax at the token alone, as jax.nn.log_softmax computes it (so bitwise equal),
+        # without writing the [..., V] log-probabilities.
+        logits = logits.astype(jnp.float32)
+        top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+        lse = jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
+        chosen = jnp.take_along_axis(logits, token[..., None], axis=-1)[..., 0]
+        return jnp.exp((chosen - top) - lse)
+
+
+class Entropy(AcceptanceRule):
+    """exp(-entropy) of the distribution: 1 for a one-hot, 1/k for a uniform choice among k."""
+
+    name = "entropy"
+
+    def confidence(self, logits, token):
+        logp = _log_probs(logits)
         p = jnp.exp(logp)
         return jnp.exp(jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1))
-    if rule == "margin":
+
+
+class Margin(AcceptanceRule):
+    """The chosen token's probability minus the largest other one."""
+
+    name = "margin"
+
+    def confidence(self, logits, token):
+        logp = _log_probs(logits)
         top2, idx = jax.lax.top_k(logp, 2)
         other = jnp.where(idx[..., 0] == token, top2[..., 1], top2[..., 0])
-        return p_token - jnp.exp(other)
-    return p_token
+        return _token_prob(logp, token) - jnp.exp(other)
+
+
+class Verify(Prob):
+    """Lossless: confident candidates become drafts, kept only where the next forward's AR
+    predictions agree (greedy AR output, token for token)."""
+
+    name = "verify"
+    drafts = True
+
+    def check(self, *, sampling, cache_mode):
+        if sampling or cache_mode == "block":
+            raise ValueError(
+                "rule='verify' reproduces greedy AR decoding: it needs temperature 0 and "
+                f"cache_mode 'sliding' or 'none' (got sampling={sampling}, cache_mode "
+                f"{cache_mode!r})"
+            )
+
+
+ACCEPTANCE_RULES: dict[str, AcceptanceRule] = {
+    r.name: r for r in (Prob(), Entropy(), Margin(), Verify())
+}
+RULES = tuple(ACCEPTANCE_RULES)
+
+
+def confidence(logits: jax.Array, token: jax.Array, rule: str) -> jax.Array:
+    """float32 [...]: the confidence of choosing ``token`` [...] from ``logits`` [..., V] under
+    acceptance ``rule`` (a name of `ACCEPTANCE_RULES`)."""
+    return ACCEPTANCE_RULES[rule].confidence(logits, token)
 
 
 def _count(token: jax.Array, ok: jax.Array, eos: jax.Array, budget: jax.Array):
@@ -176,11 +273,20 @@ def _confident(conf: jax.Array, threshold: jax.Array) -> jax.Array:
     return (conf >= threshold[:, None]) & (threshold[:, None] < 1.0)
 
 
+# -- state and result -----------------------------------------------------------------------------
 @flax.struct.dataclass
 class DecodeState:
-    """The state carried by the decoding loop (`_generate`'s ``lax.while_loop``), for R rows
-    and S slots (positions; prompt + budget + room for one window).
+    """Everything a decoding step reads and writes, for R rows and S slots (positions: prompt +
+    budget + room for one window). The model's parameters travel beside it.
 
+    Per-call settings (one value per row, so rows of one batch may differ):
+    threshold: float32 [R], confidence needed after the first candidate (1.0: one token).
+    max_accept: int32 [R], most tokens accepted per forward.
+    temperature: float32 [R], 0 greedy, else sampled (only where the decoder samples).
+    row_keys: PRNG keys [R], each row's sampling key (noise is keyed by key and position).
+    prompt_lengths: int32 [R], where each completion starts.
+
+    Decoding progress:
     cache: `KVCache`, per layer {"k", "v"} [R, S, K, H] (None in ``none`` mode); row r's slots
       below ``cache_cursor[r]`` hold the keys/values of its committed tokens.
     tokens: int32 [R, S], each row's prompt then its accepted tokens; past ``committed`` it holds
@@ -199,6 +305,11 @@ class DecodeState:
     forwards: int32 [], forwards of the batch.
     """
 
+    threshold: jax.Array
+    max_accept: jax.Array
+    temperature: jax.Array
+    row_keys: jax.Array
+    prompt_lengths: jax.Array
     cache: KVCache | None
     tokens: jax.Array
     committed: jax.Array
@@ -210,9 +321,24 @@ class DecodeState:
     forwards: jax.Array
 
 
+@flax.struct.dataclass
+class DecodeResult:
+    """The device-side result of a decode (`DecodeOutput` is its host copy; fields as there):
+    tokens int32 [R, max_new_tokens], lengths, accepted, row_forwards int32 [R], forwards
+    int32 []."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    accepted: jax.Array
+    row_forwards: jax.Array
+    forwards: jax.Array
+
+
+# -- the decoder ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class _Settings:
-    """The static settings of one decoder program (hashable: part of the jit cache key)."""
+class DecoderSettings:
+    """The static settings of one decoder program (hashable: part of the jit cache key).
+    ``rule`` is a name of `ACCEPTANCE_RULES`; ``sampling`` whether any row samples."""
 
     block_size: int
     max_new_tokens: int
@@ -233,78 +359,162 @@ class _Settings:
         b, n = self.block_size, self.max_new_tokens
         return n + (-(-n // b) if self.cache_mode == "block" and b > 1 else 0)
 
+    @property
+    def window(self) -> int:
+        """Query slots of a full sliding window: at most B uncached tokens (or 1 token and B-1
+        drafts), then B-1 masks."""
+        return 2 * self.block_size - 1
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _generate(graphdef, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
-              rng, *, settings: _Settings):
-    """The jitted decoder: `_decode` under the settings' mesh and rules. ``rng``: one PRNG key
-    (every row's) or a key per row [R]; the other arguments as in `_decode`."""
-    context = contextlib.ExitStack()
-    if settings.mesh is not None:
-        context.enter_context(jax.sharding.use_abstract_mesh(settings.mesh.abstract_mesh))
-        context.enter_context(nnx.logical_axis_rules(settings.rules))
-    with context:
-        return _decode(
-            nnx.merge(graphdef, params), prompt_ids, prompt_lengths, threshold, max_accept,
-            temperature, rng, settings,
-        )
+    def slots(self, prompt_len: int) -> int:
+        """Cache and token slots per row for prompts of ``prompt_len``: the prompt, the budget
+        and room for two windows past it."""
+        return prompt_len + self.max_new_tokens + 2 * self.window
 
 
-def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, temperature, rng,
-            st: _Settings):
-    """The decoding program (traced inside `_generate`); arguments as in `generate`, except
-    ``rng``: a PRNG key for every row, or one per row [R] (sampling only)."""
-    B = st.block_size
-    rows, prompt_len = prompt_ids.shape
-    row_keys = rng if rng.ndim == 1 else jnp.broadcast_to(rng, (rows,))
-    window = 2 * B - 1  # at most B uncached tokens (or 1 token and B-1 drafts), then B-1 masks
-    slots = prompt_len + st.max_new_tokens + 2 * window
-    slot_ids = jnp.arange(slots)
-    eos = jnp.asarray(st.eos_ids, jnp.int32)
-    rowwise = lambda x: with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1))
+_static_self = functools.partial(jax.jit, static_argnums=0)
 
-    def project(hidden: jax.Array) -> jax.Array:
-        """fp32 logits [R, C, V] of hidden states [R, C, D], divided by the temperature when
-        sampling (confidences are then those of the distribution sampled from)."""
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """One decoder program: ``graphdef`` (the model's structure) and its static ``settings``.
+
+    Its pure functions over (parameters, `DecodeState`) are jitted methods, each of which can be
+    lowered and compiled alone (``Decoder.step.lower(decoder, params, state)``):
+
+      state = decoder.prefill(params, prompt_ids, prompt_lengths, threshold, max_accept,
+                              temperature, row_keys)
+      while not decoder.finished(state): state = decoder.step(params, state)   # one forward
+      result = decoder.result(state)
+
+    `decode` runs the same as one program (a ``lax.while_loop``); `generate` is its checked,
+    host-side entry. Under ``settings.mesh`` every method runs sharded by ``settings.rules``.
+    """
+
+    graphdef: Any
+    settings: DecoderSettings
+
+    @property
+    def acceptance(self) -> AcceptanceRule:
+        return ACCEPTANCE_RULES[self.settings.rule]
+
+    @contextlib.contextmanager
+    def _on_mesh(self):
+        st = self.settings
+        with contextlib.ExitStack() as stack:
+            if st.mesh is not None:
+                stack.enter_context(jax.sharding.use_abstract_mesh(st.mesh.abstract_mesh))
+                stack.enter_context(nnx.logical_axis_rules(st.rules))
+            yield
+
+    # The jitted entry points: each enters the mesh and traces the `_`-method of its name.
+    @_static_self
+    def prefill(self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
+                row_keys) -> DecodeState:
+        """The state after the prompts' forward (no token decoded yet).
+
+        prompt_ids int32 [R, P] (right-padded), prompt_lengths int32 [R] in 1..P; threshold
+        float32 [R]; max_accept int32 [] or [R]; temperature float32 [] or [R]; row_keys: one
+        PRNG key or one per row [R]. Unchecked: `generate` checks its arguments.
+        """
+        with self._on_mesh():
+            return self._prefill(nnx.merge(self.graphdef, params), prompt_ids, prompt_lengths,
+                                 threshold, max_accept, temperature, row_keys)
+
+    @_static_self
+    def step(self, params, state: DecodeState) -> DecodeState:
+        """One decoding forward of the whole batch (finished rows are carried unchanged)."""
+        with self._on_mesh():
+            return self._step(nnx.merge(self.graphdef, params), state)
+
+    @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
+    def steps(self, params, state: DecodeState, num_steps: int) -> DecodeState:
+        """Up to ``num_steps`` forwards in one program (fewer once `finished`): a host loop's
+        unit of work. ``state`` is donated (its KV cache is updated in place)."""
+        with self._on_mesh():
+            model = nnx.merge(self.graphdef, params)
+            return jax.lax.while_loop(
+                lambda c: (c[0] < num_steps) & ~self.finished(c[1]),
+                lambda c: (c[0] + 1, self._step(model, c[1])),
+                (jnp.int32(0), state),
+            )[1]
+
+    @functools.partial(jax.jit, static_argnums=(0, 3))
+    def branch(self, params, state: DecodeState, name: str) -> DecodeState:
+        """One forward of the program `step` runs as ``name`` (one of `branches`), alone: what a
+        step costs in each of its cases."""
+        with self._on_mesh():
+            return self._branch(nnx.merge(self.graphdef, params), state, name)
+
+    @_static_self
+    def result(self, state: DecodeState) -> DecodeResult:
+        """Each row's completion, cut before its first EOS."""
+        with self._on_mesh():
+            return self._result(state)
+
+    def finished(self, state: DecodeState) -> jax.Array:
+        """bool []: every row is done, or the forwards reached `DecoderSettings.max_forwards`
+        (which also ends a decode should a step ever accept nothing)."""
+        return jnp.all(state.done) | (state.forwards >= self.settings.max_forwards)
+
+    def decode(self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
+               row_keys) -> DecodeResult:
+        """prefill, the steps in a ``lax.while_loop`` and the result, traced as one program
+        (call it inside ``jit``, as `_generate` does). Arguments as `prefill`."""
+        with self._on_mesh():
+            model = nnx.merge(self.graphdef, params)
+            s = self._prefill(model, prompt_ids, prompt_lengths, threshold, max_accept,
+                              temperature, row_keys)
+            s = jax.lax.while_loop(lambda s: ~self.finished(s), lambda s: self._step(model, s), s)
+            return self._result(s)
+
+    # -- the traced pieces ------------------------------------------------------------------------
+    def _project(self, model: Qwen2, s: DecodeState, hidden: jax.Array) -> jax.Array:
+        """fp32 logits [R, C, V] of hidden states [R, C, D], divided by each sampling row's
+        temperature (confidences are then those of the distribution sampled from)."""
         logits = model.logits(hidden)
-        return logits / temperature if st.sampling else logits
+        if not self.settings.sampling:
+            return logits
+        t = s.temperature[:, None, None]
+        return logits / jnp.where(t > 0, t, 1.0)
 
-    def choose(logits: jax.Array, positions: jax.Array) -> jax.Array:
-        """int32 [R, C]: greedy or sampled candidates from `project`'s logits [R, C, V], where
-        candidate [r, c] is the token at position positions[r, c] (int32 [R, C]). Sampling adds
-        Gumbel noise keyed by fold_in(row_keys[r], position) (module docstring)."""
-        if st.sampling:
+    def _choose(self, s: DecodeState, logits: jax.Array, positions: jax.Array) -> jax.Array:
+        """int32 [R, C]: greedy or sampled candidates from `_project`'s logits [R, C, V], where
+        candidate [r, c] is the token at position positions[r, c] (int32 [R, C]). A sampling row
+        adds Gumbel noise keyed by fold_in(row_keys[r], position) (module docstring)."""
+        if self.settings.sampling:
             def noise(key, position):
                 return jax.random.gumbel(jax.random.fold_in(key, position), logits.shape[-1:])
 
-            by_row = jax.vmap(jax.vmap(noise, in_axes=(None, 0)))(row_keys, positions)
-            logits = logits + by_row
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            by_row = jax.vmap(jax.vmap(noise, in_axes=(None, 0)))(s.row_keys, positions)
+            logits = logits + jnp.where(s.temperature[:, None, None] > 0, by_row, 0.0)
+        return argmax(logits)
 
-    def forward(ids, start, cache):
+    def _forward(self, model: Qwen2, ids, start, cache):
         """ids [R, W] at positions start[r] + 0..W-1 against the cache (written first), or a
         full causal forward from position 0 without a cache. Returns (hidden [R, W, D], cache)."""
         pos = start[:, None] + jnp.arange(ids.shape[1])
         if cache is None:
             return model(ids, pos, causal_mask(ids.shape[1]))
+        slot_ids = jnp.arange(cache["k"].shape[2])
         return model(ids, pos, slot_ids[None, None, :] <= pos[:, :, None], cache, start)
 
-    def budget(s: DecodeState) -> jax.Array:
-        return jnp.minimum(st.max_new_tokens - s.new_tokens, max_accept)
+    def _budget(self, s: DecodeState) -> jax.Array:
+        return jnp.minimum(self.settings.max_new_tokens - s.new_tokens, s.max_accept)
 
-    def advance(s, *, cache, tokens, count, hit_eos, cache_cursor, num_drafts=None, accepted=None,
-                forward=True):
+    def _advance(self, s: DecodeState, *, cache, tokens, count, hit_eos, cache_cursor,
+                 num_drafts=None, accepted=None, forward=True) -> DecodeState:
         """The next state after a forward (``forward``: counted as one) in which each active row
         accepted ``count`` tokens, the first ``count`` of ``accepted`` [R, C]."""
+        st = self.settings
         active = ~s.done
         count = jnp.where(active, count, 0)
         if st.on_accept is not None and accepted is not None:
             jax.debug.callback(st.on_accept, accepted, count, ordered=True)
         new_tokens = s.new_tokens + count
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-        return DecodeState(
+        return s.replace(
             cache=cache,
-            tokens=rowwise(keep(tokens, s.tokens)),
+            tokens=_rowwise(keep(tokens, s.tokens)),
             committed=s.committed + count,
             cache_cursor=keep(cache_cursor, s.cache_cursor),
             num_drafts=s.num_drafts if num_drafts is None else keep(num_drafts, s.num_drafts),
@@ -314,8 +524,86 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
             forwards=s.forwards + forward,
         )
 
+    def _prefill(self, model, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
+                 row_keys) -> DecodeState:
+        st = self.settings
+        rows, prompt_len = prompt_ids.shape
+        slots = st.slots(prompt_len)
+        per_row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))
+        row_keys = row_keys if row_keys.ndim == 1 else jnp.broadcast_to(row_keys, (rows,))
+        s = DecodeState(
+            threshold=per_row(threshold, jnp.float32),
+            max_accept=per_row(max_accept, jnp.int32),
+            temperature=per_row(temperature, jnp.float32),
+            row_keys=row_keys,
+            prompt_lengths=prompt_lengths,
+            cache=None,
+            tokens=_rowwise(jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids)),
+            committed=prompt_lengths,
+            cache_cursor=jnp.zeros_like(prompt_lengths),
+            num_drafts=jnp.zeros((rows,), jnp.int32),
+            new_tokens=jnp.zeros((rows,), jnp.int32),
+            done=jnp.zeros((rows,), bool),
+            row_forwards=jnp.zeros((rows,), jnp.int32),
+            forwards=jnp.int32(0),
+        )
+        if st.cache_mode == "none":
+            return s
+        # Every prompt token's key/value; slots past a row's prompt hold stale values.
+        positions = jnp.broadcast_to(jnp.arange(prompt_len), (rows, prompt_len))
+        cache = init_cache(model.cfg, rows, slots)
+        hidden, cache = model(
+            prompt_ids, positions, jnp.arange(slots)[None, None, :] <= positions[:, :, None], cache
+        )
+        # sliding: the last prompt token starts the first window; block: the first block starts
+        # after the prompt, and its first token is predicted from the prompt's last output.
+        if st.cache_mode == "sliding":
+            return s.replace(cache=cache, cache_cursor=prompt_lengths - 1)
+        last = read_rows(hidden, prompt_lengths - 1, 1)
+        first = self._choose(s, self._project(model, s, last), prompt_lengths[:, None])
+        return s.replace(cache=cache, cache_cursor=prompt_lengths,
+                         tokens=write_rows(s.tokens, first, prompt_lengths))
+
+    @property
+    def branches(self) -> tuple[str, ...]:
+        """The forwards a step chooses between: ``narrow`` (a B-slot window) and ``wide``
+        (2B-1 slots) for ``sliding`` (``wide`` only without the adaptive window or at B = 1),
+        ``full`` (the whole sequence) for ``none``, ``fill`` and ``commit`` for ``block``."""
+        st = self.settings
+        if st.cache_mode == "block":
+            return ("commit",) if st.block_size == 1 else ("fill", "commit")
+        if st.cache_mode == "none":
+            return ("full",)
+        return ("narrow", "wide") if st.adaptive_window and st.block_size > 1 else ("wide",)
+
+    def _branch(self, model, s: DecodeState, name: str) -> DecodeState:
+        if name not in self.branches:
+            raise ValueError(f"branch {name!r}: this decoder's are {self.branches}")
+        if name == "fill":
+            return self._block_fill(model, s)
+        if name == "commit":
+            return self._block_commit(model, s)
+        width = {"full": s.tokens.shape[1], "narrow": self.settings.block_size}
+        return self._window_step(model, s, width.get(name, self.settings.window))
+
+    def _step(self, model, s: DecodeState) -> DecodeState:
+        st, B = self.settings, self.settings.block_size
+        run = lambda name: lambda s: self._branch(model, s, name)
+        if st.cache_mode == "block":
+            if B == 1:
+                return run("commit")(s)
+            full = jnp.all(s.done | (s.committed - s.cache_cursor == B))
+            return jax.lax.cond(full, run("commit"), run("fill"), s)
+        if len(self.branches) == 1:
+            return run(self.branches[0])(s)
+        # The widest window an active row needs: its uncached tokens and drafts, then B-1 masks.
+        need = jnp.max(jnp.where(s.done, 0, s.committed + s.num_drafts - s.cache_cursor)) + B - 1
+        return jax.lax.cond(need <= B, run("narrow"), run("wide"), s)
+
     # -- sliding / none: a window from the first uncached position ------------------------------
-    def window_step(s: DecodeState, width: int) -> DecodeState:
+    def _window_step(self, model, s: DecodeState, width: int) -> DecodeState:
+        st, B = self.settings, self.settings.block_size
+        eos = jnp.asarray(st.eos_ids, jnp.int32)
         if s.cache is None:  # the whole sequence from position 0
             start, window_ids = jnp.zeros_like(s.cache_cursor), s.tokens
         else:
@@ -323,15 +611,15 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         fed = s.committed + s.num_drafts  # committed tokens and drafts; masks after them
         pos = start[:, None] + jnp.arange(width)
         ids = jnp.where(pos < fed[:, None], window_ids, st.mask_id)
-        hidden, cache = forward(ids, start, s.cache)
+        hidden, cache = self._forward(model, ids, start, s.cache)
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
-        logits = project(read_rows(hidden, first, B))  # [R, B, V]
-        token = choose(logits, s.committed[:, None] + jnp.arange(B))
-        if st.rule != "verify":
-            ok = _confident(confidence(logits, token, st.rule), threshold)
-            count, hit_eos = _count(token, ok, eos, budget(s))
-            return advance(
+        logits = self._project(model, s, read_rows(hidden, first, B))  # [R, B, V]
+        token = self._choose(s, logits, s.committed[:, None] + jnp.arange(B))
+        if not self.acceptance.drafts:
+            ok = _confident(self.acceptance.confidence(logits, token), s.threshold)
+            count, hit_eos = _count(token, ok, eos, self._budget(s))
+            return self._advance(
                 s, cache=cache, tokens=write_rows(s.tokens, token, s.committed),
                 count=count, hit_eos=hit_eos, cache_cursor=s.committed, accepted=token,
             )
@@ -339,131 +627,103 @@ def _decode(model: Qwen2, prompt_ids, prompt_lengths, threshold, max_accept, tem
         # every draft before it equals the AR prediction at its position.
         drafts = read_rows(s.tokens, s.committed, B)
         i = jnp.arange(1, B)[None]
-        ok = jnp.pad((i <= s.num_drafts[:, None]) & (drafts[:, :-1] == token[:, :-1]), ((0, 0), (1, 0)))
-        count, hit_eos = _count(token, ok, eos, budget(s))
+        ok = (i <= s.num_drafts[:, None]) & (drafts[:, :-1] == token[:, :-1])
+        count, hit_eos = _count(token, jnp.pad(ok, ((0, 0), (1, 0))), eos, self._budget(s))
         tokens = write_rows(s.tokens, token, s.committed)
         # New drafts: the masks after the last draft predict the tokens after the AR token that
         # follows it; they are valid only where every draft was accepted.
         if B > 1:
-            draft_logits = project(read_rows(hidden, first + s.num_drafts + 1, B - 1))
-            new_drafts = choose(draft_logits, (s.committed + s.num_drafts)[:, None] + i)
-            sure = _confident(confidence(draft_logits, new_drafts, "prob"), threshold)
+            draft_logits = self._project(model, s, read_rows(hidden, first + s.num_drafts + 1, B - 1))
+            new_drafts = self._choose(s, draft_logits, (s.committed + s.num_drafts)[:, None] + i)
+            sure = _confident(self.acceptance.confidence(draft_logits, new_drafts), s.threshold)
             # The next step accepts at most its drafts + 1 tokens: no more drafts than that uses.
-            room = jnp.minimum(st.max_new_tokens - s.new_tokens - count, max_accept) - 1
+            room = jnp.minimum(st.max_new_tokens - s.new_tokens - count, s.max_accept) - 1
             num = jnp.minimum(jnp.cumprod(sure, axis=1).sum(axis=1), jnp.maximum(room, 0))
             all_ok = (count == s.num_drafts + 1) & ~hit_eos
             num_drafts = jnp.where(all_ok, num, 0).astype(jnp.int32)
             tokens = write_rows(tokens, new_drafts, s.committed + count)
         else:
             num_drafts = jnp.zeros_like(s.num_drafts)
-        return advance(
+        return self._advance(
             s, cache=cache, tokens=tokens, count=count, hit_eos=hit_eos,
             cache_cursor=s.committed + count - 1, num_drafts=num_drafts, accepted=token,
         )
 
-    def sliding_step(s: DecodeState) -> DecodeState:
-        if s.cache is None:
-            return window_step(s, slots)
-        if not st.adaptive_window or B == 1:
-            return window_step(s, window)
-        # The widest window an active row needs: its uncached tokens and drafts, then B-1 masks.
-        need = jnp.max(jnp.where(s.done, 0, s.committed + s.num_drafts - s.cache_cursor)) + B - 1
-        return jax.lax.cond(
-            need <= B, lambda s: window_step(s, B), lambda s: window_step(s, window), s
-        )
-
     # -- block: the reference's block cache -------------------------------------------------------
-    block_pos = jnp.arange(B)
-
-    def block_fill(s: DecodeState) -> DecodeState:
+    def _block_fill(self, model, s: DecodeState) -> DecodeState:
+        st, B = self.settings, self.settings.block_size
+        eos = jnp.asarray(st.eos_ids, jnp.int32)
+        block_pos = jnp.arange(B)
         start = s.cache_cursor
         filled = s.committed - start
         block = read_rows(s.tokens, start, B)
         ids = jnp.where(block_pos[None] < filled[:, None], block, st.mask_id)
-        hidden, cache = forward(ids, start, s.cache)  # its block keys/values are rewritten later
+        hidden, cache = self._forward(model, ids, start, s.cache)  # block keys rewritten later
         # Candidate for block position i: the prefix's prediction (i = 0) or slot i-1's output.
-        logits = project(hidden[:, : B - 1])
-        token = choose(logits, start[:, None] + block_pos[None, 1:])
-        conf = confidence(logits, token, st.rule)
+        logits = self._project(model, s, hidden[:, : B - 1])
+        token = self._choose(s, logits, start[:, None] + block_pos[None, 1:])
+        conf = self.acceptance.confidence(logits, token)
         cand = jnp.concatenate([block[:, :1], token], axis=1)  # [R, B]
         conf = jnp.concatenate([jnp.ones_like(conf[:, :1]), conf], axis=1)
         pad = lambda x: jnp.pad(x, ((0, 0), (0, B)))
         cand = read_rows(pad(cand), filled, B)
-        ok = _confident(read_rows(pad(conf), filled, B), threshold)
-        count, hit_eos = _count(cand, ok, eos, jnp.minimum(budget(s), B - filled))
-        return advance(
+        ok = _confident(read_rows(pad(conf), filled, B), s.threshold)
+        count, hit_eos = _count(cand, ok, eos, jnp.minimum(self._budget(s), B - filled))
+        return self._advance(
             s, cache=cache, tokens=write_rows(s.tokens, cand, s.committed),
             count=count, hit_eos=hit_eos, cache_cursor=start, accepted=cand,
         )
 
-    def block_commit(s: DecodeState) -> DecodeState:
+    def _block_commit(self, model, s: DecodeState) -> DecodeState:
+        B = self.settings.block_size
+        if B == 1:  # the block's one token is the prefix's prediction: accept it, then commit
+            eos = jnp.asarray(self.settings.eos_ids, jnp.int32)
+            pending = read_rows(s.tokens, s.committed, 1)
+            count, hit_eos = _count(pending, jnp.ones_like(pending, bool), eos, self._budget(s))
+            s = self._advance(
+                s, cache=s.cache, tokens=s.tokens, count=count, hit_eos=hit_eos,
+                cache_cursor=s.cache_cursor, accepted=pending, forward=False,
+            )
+            write = functools.partial(self._write_block, model)
+            return jax.lax.cond(jnp.all(s.done), lambda s: s, write, s)
+        return self._write_block(model, s)
+
+    def _write_block(self, model, s: DecodeState) -> DecodeState:
+        B = self.settings.block_size
         start = s.cache_cursor
-        hidden, cache = forward(read_rows(s.tokens, start, B), start, s.cache)
-        token = choose(project(hidden[:, B - 1 :]), (start + B)[:, None])  # the next block's first
+        hidden, cache = self._forward(model, read_rows(s.tokens, start, B), start, s.cache)
+        # The next block's first token.
+        token = self._choose(s, self._project(model, s, hidden[:, B - 1 :]), (start + B)[:, None])
         zero = jnp.zeros_like(start)
-        return advance(
+        return self._advance(
             s, cache=cache, tokens=write_rows(s.tokens, token, start + B), count=zero,
             hit_eos=zero.astype(bool), cache_cursor=start + B,
         )
 
-    def block_step(s: DecodeState) -> DecodeState:
-        if B == 1:  # the block's one token is the prefix's prediction: accept it, then commit
-            pending = read_rows(s.tokens, s.committed, 1)
-            count, hit_eos = _count(pending, jnp.ones((rows, 1), bool), eos, budget(s))
-            s = advance(
-                s, cache=s.cache, tokens=s.tokens, count=count, hit_eos=hit_eos,
-                cache_cursor=s.cache_cursor, accepted=pending, forward=False,
-            )
-            return jax.lax.cond(jnp.all(s.done), lambda s: s, block_commit, s)
-        full = jnp.all(s.done | (s.committed - s.cache_cursor == B))
-        return jax.lax.cond(full, block_commit, block_fill, s)
+    def _result(self, s: DecodeState) -> DecodeResult:
+        n = self.settings.max_new_tokens
+        eos = jnp.asarray(self.settings.eos_ids, jnp.int32)
+        new = s.prompt_lengths[:, None] + jnp.arange(n)
+        out = jnp.take_along_axis(s.tokens, new, axis=1)  # a gather, once: no loop over rows
+        within = jnp.arange(n)[None] < s.new_tokens[:, None]
+        is_eos = jnp.isin(out, eos) & within
+        lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
+        out = jnp.where(jnp.arange(n)[None] < lengths[:, None], out, ENDOFTEXT_ID)
+        return DecodeResult(out, lengths.astype(jnp.int32), s.new_tokens, s.row_forwards,
+                            s.forwards)
 
-    # -- prefill and loop -------------------------------------------------------------------------
-    positions = jnp.broadcast_to(jnp.arange(prompt_len), (rows, prompt_len))
-    tokens = rowwise(jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids))
-    if st.cache_mode == "none":
-        cache, cache_cursor = None, jnp.zeros_like(prompt_lengths)
-    else:
-        # Every prompt token's key/value; slots past a row's prompt hold stale values.
-        cache = init_cache(model.cfg, rows, slots)
-        hidden, cache = model(
-            prompt_ids, positions, slot_ids[None, None, :] <= positions[:, :, None], cache
-        )
-        # sliding: the last prompt token starts the first window; block: the first block starts
-        # after the prompt, and its first token is predicted from the prompt's last output.
-        if st.cache_mode == "sliding":
-            cache_cursor = prompt_lengths - 1
-        else:
-            cache_cursor = prompt_lengths
-            last = read_rows(hidden, prompt_lengths - 1, 1)
-            first = choose(project(last), prompt_lengths[:, None])
-            tokens = write_rows(tokens, first, prompt_lengths)
-    init = DecodeState(
-        cache=cache,
-        tokens=tokens,
-        committed=prompt_lengths,
-        cache_cursor=cache_cursor,
-        num_drafts=jnp.zeros((rows,), jnp.int32),
-        new_tokens=jnp.zeros((rows,), jnp.int32),
-        done=jnp.zeros((rows,), bool),
-        row_forwards=jnp.zeros((rows,), jnp.int32),
-        forwards=jnp.int32(0),
-    )
 
-    def cond(s: DecodeState) -> jax.Array:
-        # The bound also ends the loop should a step ever accept nothing.
-        return ~jnp.all(s.done) & (s.forwards < st.max_forwards)
+def _rowwise(x: jax.Array) -> jax.Array:
+    """``x`` [R, ...] constrained to rows over the batch axes (where a mesh is active)."""
+    return with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1))
 
-    step = block_step if st.cache_mode == "block" else sliding_step
-    s = jax.lax.while_loop(cond, step, init)
 
-    new = prompt_lengths[:, None] + jnp.arange(st.max_new_tokens)
-    out = jnp.take_along_axis(s.tokens, new, axis=1)  # a gather, once: no loop over rows
-    within = jnp.arange(st.max_new_tokens)[None] < s.new_tokens[:, None]
-    is_eos = jnp.isin(out, eos) & within
-    lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
-    out = jnp.where(jnp.arange(st.max_new_tokens)[None] < lengths[:, None], out, ENDOFTEXT_ID)
-    return out, lengths, s.new_tokens, s.row_forwards, s.forwards
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+def _generate(graphdef, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
+              rng, *, settings: DecoderSettings) -> DecodeResult:
+    """The whole decode as one jitted program: `Decoder.decode` (arguments as its)."""
+    return Decoder(graphdef, settings).decode(params, prompt_ids, prompt_lengths, threshold,
+                                              max_accept, temperature, rng)
 
 
 def generate(
@@ -564,11 +824,7 @@ def generate(
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if rule == "verify" and (temperature > 0 or cache_mode == "block"):
-        raise ValueError(
-            "rule='verify' reproduces greedy AR decoding: it needs temperature 0 and cache_mode "
-            f"'sliding' or 'none' (got temperature {temperature}, cache_mode {cache_mode!r})"
-        )
+    ACCEPTANCE_RULES[rule].check(sampling=temperature > 0, cache_mode=cache_mode)
     seeds = np.asarray(seed)
     if seeds.dtype.kind not in "iu" or seeds.shape not in ((), (rows,)):
         raise ValueError(f"seed must be one integer or one per row ({rows}); got {seed!r}")
@@ -582,7 +838,7 @@ def generate(
     if max_new_tokens == 0:  # nothing to decode: empty completions, nothing compiled or run
         zeros = np.zeros((rows,), np.int32)
         return DecodeOutput(np.zeros((rows, 0), np.int32), zeros, zeros.copy(), zeros.copy(), 0)
-    settings = _Settings(
+    settings = DecoderSettings(
         block_size=block_size,
         max_new_tokens=max_new_tokens,
         eos_ids=tuple(int(e) for e in eos_ids),
@@ -607,8 +863,9 @@ def generate(
         jax.vmap(jax.random.key)(jnp.asarray(seeds)),
         settings=settings,
     )
-    tokens, lengths, accepted, row_forwards, forwards = jax.device_get(out)
-    return DecodeOutput(tokens, lengths, accepted, row_forwards, int(forwards))
+    out = jax.device_get(out)
+    return DecodeOutput(out.tokens, out.lengths, out.accepted, out.row_forwards,
+                        int(out.forwards))
 
 
 def generate_batched(

@@ -49,7 +49,7 @@ for name, kw in {
 
 # The compiled sharded program carries the cache [L, R, S, K, H] per device as [L, R/4, S, K/2, H]:
 # rows over (data, fsdp), KV heads over tensor.
-settings = decode._Settings(
+settings = decode.DecoderSettings(
     block_size=4, max_new_tokens=MAX_NEW, eos_ids=decode.DEFAULT_EOS_IDS, mask_id=decode.MASK_ID,
     sampling=False, cache_mode="sliding", rule="prob", adaptive_window=True, mesh=mesh,
     rules=rules, on_accept=None,

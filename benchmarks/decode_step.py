@@ -1,0 +1,209 @@
+r"""Decode-step cost at fixed acceptance: what a MARS step costs against an AR step, per mode.
+
+  PYTHONPATH=. python benchmarks/decode_speed.py --accept=1,2,4,8 --shapes=qwen0_5b \
+      --dtypes=float32 --batch_sizes=1 --block_sizes=8 [--output_dir=DIR]
+
+(`benchmarks/decode_speed.py --accept=...` runs this module's `main`.)
+
+A checkpoint's acceptance and the decoder's efficiency are separate questions; this benchmark
+answers the second. Every row of a batch is made to accept exactly K tokens per forward: the
+decoder gets ``max_accept = K`` and a threshold (1e-30) that the ``prob`` rule always meets,
+and no EOS, on random weights of a real architecture (``--shapes``: configs/qwen0_5b.py,
+configs/qwen7b.py, or ``tiny`` for smoke runs), in ``--dtypes`` (parameters, compute and KV
+cache in that dtype). Prompts are ``--prompt_len`` random tokens.
+
+Per (shape, dtype, batch, B) one program per mode is compiled, `mars_jax.decode.Decoder.steps`:
+``--steps`` forwards in one jitted ``while_loop`` (no host round trip between forwards, as in
+`decode.generate`), its state donated; then every (mode, K) runs once untimed and ``--repeats``
+rounds time each in turn, best kept (a busy machine favours none). Modes:
+
+  ar             block_size 1: one token per forward over a one-token window (the baseline);
+  sliding        per-row cursors, adaptive window: B slots while every row has one uncached
+                 token (K = 1), else 2B-1;
+  sliding_fixed  the window always 2B-1 slots;
+  block          the reference's block cache: fills of B slots, each accepting K (capped at the
+                 block's end), then one commit forward per block.
+
+Columns: step_ms (wall ms per forward), ar_step_ms (ar at the same shape, dtype and batch),
+conversion = ar_step_ms / step_ms (1.0: a MARS step costs one AR step), tokens_per_forward
+(counted in the timed run: K for sliding, B / (ceil(B / K) + 1) for block) and speedup =
+tokens_per_forward * conversion, the tokens/s over AR this decoder would reach at that
+acceptance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mars_jax import decode
+from mars_jax.model import ModelConfig, abstract_model
+
+MODES = ("ar", "sliding", "sliding_fixed", "block")
+SHAPES = ("tiny", "qwen0_5b", "qwen7b")
+ACCEPT_ALL = 1e-30  # below any probability the prob rule computes: every candidate qualifies
+KEYS = ("shape", "dtype", "batch", "block_size", "mode", "accept", "prompt_len", "steps",
+        "step_ms", "ar_step_ms", "conversion", "tokens_per_forward", "speedup")
+
+
+def model_config(shape: str, dtype: str, **overrides) -> ModelConfig:
+    """The architecture of configs/``shape``.py (``tiny``, ``qwen0_5b``, ``qwen7b``) with
+    parameters and compute in ``dtype``; ``overrides`` are other `ModelConfig` fields."""
+    import importlib
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+    c = importlib.import_module(f"configs.{shape}").get_config("mars")
+    return ModelConfig(**{**c.model.to_dict(), "dtype": dtype, "param_dtype": dtype, **overrides})
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> tuple[object, nnx.State]:
+    """(graphdef, parameters) of a randomly initialised `Qwen2` of ``cfg``, built by one jitted
+    program (no eager per-parameter init: a 7B model initialises in seconds on an
+    accelerator)."""
+    from mars_jax.model import Qwen2
+
+    graphdef, _ = nnx.split(abstract_model(cfg))
+    params = jax.jit(lambda: nnx.split(Qwen2(cfg, rngs=nnx.Rngs(seed)))[1])()
+    return graphdef, params
+
+
+def make_decoder(graphdef, *, block_size: int, mode: str, max_new_tokens: int,
+                 mesh=None, rules=None) -> decode.Decoder:
+    """The `decode.Decoder` of ``mode`` (`MODES`; ``ar`` is block size 1), with no EOS."""
+    return decode.Decoder(graphdef, decode.DecoderSettings(
+        block_size=1 if mode == "ar" else block_size, max_new_tokens=max_new_tokens, eos_ids=(),
+        mask_id=decode.MASK_ID, sampling=False,
+        cache_mode="block" if mode == "block" else "sliding", rule="prob",
+        adaptive_window=mode != "sliding_fixed", mesh=mesh, rules=rules, on_accept=None,
+    ))
+
+
+def prefill(decoder: decode.Decoder, params, *, rows: int, prompt_len: int, accept: int,
+            seed: int = 0) -> decode.DecodeState:
+    """The state after prefilling ``rows`` random prompts of ``prompt_len`` tokens, each row
+    accepting exactly ``accept`` tokens per forward from then on."""
+    ids = np.random.default_rng(seed).integers(0, decode.ENDOFTEXT_ID, (rows, prompt_len))
+    return decoder.prefill(
+        params, jnp.asarray(ids, jnp.int32), jnp.full((rows,), prompt_len, jnp.int32),
+        jnp.full((rows,), ACCEPT_ALL, jnp.float32), jnp.int32(accept), jnp.float32(0.0),
+        jax.random.key(seed),
+    )
+
+
+@dataclasses.dataclass
+class Case:
+    """One (mode, K) of a (shape, dtype, batch, B) group: its decoder and live state."""
+
+    mode: str
+    accept: int
+    decoder: decode.Decoder
+    state: decode.DecodeState
+    best: float = math.inf
+    tokens_per_forward: float = 0.0
+
+    def run(self, params, steps: int) -> float:
+        """Runs ``steps`` forwards; returns their wall seconds and records tokens/forward."""
+        before = jax.device_get((self.state.new_tokens, self.state.row_forwards))
+        start = time.perf_counter()
+        self.state = self.decoder.steps(params, self.state, steps)
+        after = jax.device_get((self.state.new_tokens, self.state.row_forwards))
+        seconds = time.perf_counter() - start
+        if bool(jnp.any(self.state.done)):
+            raise RuntimeError(f"{self.mode}: a row finished inside the timed forwards")
+        self.tokens_per_forward = float((after[0] - before[0]).sum()
+                                        / max((after[1] - before[1]).sum(), 1))
+        return seconds
+
+
+def benchmark_group(graphdef, params, *, shape: str, dtype: str, batch: int, block_size: int,
+                    accepts: Sequence[int], modes: Sequence[str], prompt_len: int, steps: int,
+                    repeats: int) -> list[dict]:
+    """Every (mode, K) row of one (shape, dtype, batch, B) group, ar included (`KEYS`)."""
+    accepts = [k for k in accepts if 1 <= k <= block_size]
+    budget = ((repeats + 1) * steps + 1) * block_size  # never reached: no row finishes
+    cases = [Case("ar", 1, None, None)] + [Case(m, k, None, None) for m in modes if m != "ar"
+                                           for k in accepts]
+    decoders = {}
+    for case in cases:
+        if case.mode not in decoders:
+            decoders[case.mode] = make_decoder(graphdef, block_size=block_size, mode=case.mode,
+                                               max_new_tokens=budget)
+        case.decoder = decoders[case.mode]
+        case.state = prefill(case.decoder, params, rows=batch, prompt_len=prompt_len,
+                             accept=case.accept)
+        case.run(params, steps)  # compiles (once per mode), warms up
+    for _ in range(repeats):
+        for case in cases:
+            case.best = min(case.best, case.run(params, steps))
+    ar_ms = 1e3 * cases[0].best / steps
+    rows = []
+    for case in cases:
+        step_ms = 1e3 * case.best / steps
+        conversion = ar_ms / step_ms
+        rows.append(dict(
+            shape=shape, dtype=dtype, batch=batch, block_size=case.decoder.settings.block_size,
+            mode=case.mode, accept=case.accept, prompt_len=prompt_len, steps=steps,
+            step_ms=step_ms, ar_step_ms=ar_ms, conversion=conversion,
+            tokens_per_forward=case.tokens_per_forward,
+            speedup=case.tokens_per_forward * conversion))
+    return rows
+
+
+def benchmark(*, shapes: Sequence[str], dtypes: Sequence[str], batch_sizes: Sequence[int],
+              block_sizes: Sequence[int], accepts: Sequence[int], modes: Sequence[str] = MODES,
+              prompt_len: int = 128, steps: int = 8, repeats: int = 3, emit=print) -> list[dict]:
+    """All rows, group by group (``emit`` gets each group's markdown lines as they finish)."""
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown modes {sorted(unknown)}; expected some of {MODES}")
+    rows = []
+    for shape in shapes:
+        for dtype in dtypes:
+            cfg = model_config(shape, dtype)
+            graphdef, params = random_params(cfg)
+            for batch in batch_sizes:
+                for b in block_sizes:
+                    group = benchmark_group(
+                        graphdef, params, shape=shape, dtype=dtype, batch=batch, block_size=b,
+                        accepts=accepts, modes=modes, prompt_len=prompt_len, steps=steps,
+                        repeats=repeats)
+                    rows += group
+                    emit(markdown(group, header=not rows[: -len(group)]).rstrip("\n"))
+            del params
+    return rows
+
+
+def markdown(rows: Sequence[dict], header: bool = True) -> str:
+    """The rows as a markdown table (``header``: with its title lines)."""
+    lines = ["| shape | dtype | batch | B | mode | K | step ms | AR step ms | conversion | "
+             "tokens/forward | speedup |", "|---" * 11 + "|"] if header else []
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['block_size']} | {r['mode']} | "
+            f"{r['accept']} | {r['step_ms']:.2f} | {r['ar_step_ms']:.2f} | "
+            f"{r['conversion']:.2f} | {r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
+    """decode_step.md (``header`` then the table) and decode_step.jsonl under ``output_dir``."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "decode_step.md"), "w") as f:
+        f.write(header + markdown(rows))
+    with open(os.path.join(output_dir, "decode_step.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def device_line() -> str:
+    d = jax.devices()[0]
+    return f"JAX {jax.__version__} on {d.device_kind} ({d.platform}) x {jax.device_count()}"
