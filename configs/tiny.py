@@ -113,5 +113,9 @@ def get_config(stage: str = "ar") -> ml_collections.ConfigDict:
             "cache_mode": "sliding",  # decode.CACHE_MODES: sliding | block | none
             "rule": "prob",  # decode.RULES: prob | entropy | margin | verify
             "nll_examples": 64,
+            # Wall clock: each threshold's decode, and that of the AR baseline (block size 1,
+            # threshold 1.0), is timed this many times after an untimed warm-up (compilation);
+            # the fastest counts (mars_jax/evaluate.py).
+            "timing_repeats": 3,
         },
     })

@@ -21,7 +21,9 @@ rewritten after every run.
 
 Claims: (a) one-token mode: MARS at threshold 1.0 vs the AR control, accuracy and held-out AR
 NLL; (b) the speed/quality curve over thresholds: tokens per forward, accuracy, agreement with
-threshold 1.0; (c) block size x the AR term.
+threshold 1.0, and the wall-clock speedup of each MARS run's decoding over the AR control's
+(generated tokens/s, from their evaluation reports) with its conversion (speedup / tokens per
+forward); (c) block size x the AR term.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ def tables(exp, runs: dict) -> str:
                 f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f} / {r['agreement_with_ar']:.2f}"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += _wall_clock(exp, runs)
     t = exp.headline_threshold
     lines += [
         "",
@@ -177,6 +180,32 @@ def tables(exp, runs: dict) -> str:
             cells.append(f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f}" if r else "-")
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _wall_clock(exp, runs: dict) -> list[str]:
+    """Markdown lines of the wall-clock table: per MARS run and threshold, speedup = its
+    tokens/s over the AR control's at threshold 1.0, and conversion = speedup / tokens per
+    forward (none before the AR control is evaluated)."""
+    ar = "ar_control" in runs and _at(runs["ar_control"]["report"], 1.0)
+    if not ar:
+        return []
+    lines = [
+        "",
+        "**(b) Wall clock** (speedup over the AR control's "
+        f"{ar['tokens_per_s']:.1f} tokens/s at threshold 1.0 / conversion = speedup / tokens "
+        "per forward)",
+        "",
+        "| run | " + " | ".join(f"{t:g}" for t in exp.thresholds) + " |",
+        "|---|" + "---|" * len(exp.thresholds),
+    ]
+    for name in (n for n in runs if n.startswith("mars")):
+        cells = []
+        for t in exp.thresholds:
+            r = _at(runs[name]["report"], float(t))
+            speedup = r["tokens_per_s"] / ar["tokens_per_s"]
+            cells.append(f"{speedup:.2f}x / {speedup / r['tokens_per_forward']:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_results(exp, runs: dict, results_dir: str, seconds: float) -> str:

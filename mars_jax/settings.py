@@ -131,7 +131,8 @@ def check(cfg, *, training: bool = True, schema=None) -> None:
             raise SettingError("eval.thresholds", tuple(e.thresholds), f"{t!r} is outside (0, 1]")
     # eval.num_examples 0 or less read no synthetic problem ("no evaluation examples ... set
     # data.eval_format") and eval.nll_examples 0 failed after all the decoding.
-    for key in ("eval.batch_size", "eval.max_new_tokens", "eval.num_examples", "eval.nll_examples"):
+    for key in ("eval.batch_size", "eval.max_new_tokens", "eval.num_examples", "eval.nll_examples",
+                "eval.timing_repeats"):
         if _get(cfg, key) < 1:
             raise SettingError(key, _get(cfg, key), "must be >= 1")
     t = cfg.train

@@ -32,12 +32,14 @@ def test_run_configs_cover_the_three_claims():
         settings.check(cfg, training=True)
 
 
-def _report(step, accuracy_by_threshold, tpf):
+def _report(step, accuracy_by_threshold, tpf, tokens_per_s=None):
+    tokens_per_s = tokens_per_s or {t: 10.0 for t in accuracy_by_threshold}
     return {
         "step": step,
         "ar_nll": 0.5,
         "results": [
-            {"threshold": t, "accuracy": a, "tokens_per_forward": tpf[t], "agreement_with_ar": 1.0}
+            {"threshold": t, "accuracy": a, "tokens_per_forward": tpf[t], "agreement_with_ar": 1.0,
+             "tokens_per_s": tokens_per_s[t]}
             for t, a in accuracy_by_threshold.items()
         ],
     }
@@ -58,6 +60,24 @@ def test_tables_show_each_run_where_it_belongs():
     assert "| mars_b4_ar1 | 1.00 / 0.750 / 1.00 | 2.50 / 0.625 / 1.00 |" in text
     assert "| 4 | 2.50 / 0.625 | - |" in text  # mars_b4_ar0 has not run yet
     assert "| 8 | - | - |" in text
+
+
+def test_wall_clock_is_over_the_ar_control():
+    """Speedup = a MARS run's tokens/s over the AR control's at threshold 1.0 (not over its own
+    threshold 1.0, nor over stage 1's); conversion = speedup / tokens per forward."""
+    exp = claims_config.get_config("smoke")
+    exp.thresholds = (1.0, 0.9)
+    tpf = {1.0: 1.0, 0.9: 2.5}
+    runs = {
+        "stage1": {"report": _report(2, {1.0: 0.25}, tpf, {1.0: 80.0})},
+        "mars_b4_ar1": {"report": _report(2, {1.0: 0.75, 0.9: 0.625}, tpf, {1.0: 30.0, 0.9: 60.0})},
+    }
+    assert "Wall clock" not in claims.tables(exp, runs)  # no AR control evaluated yet
+    runs["ar_control"] = {"report": _report(2, {1.0: 0.5}, tpf, {1.0: 40.0})}
+    text = claims.tables(exp, runs)
+    assert "over the AR control's 40.0 tokens/s" in text
+    # 30 / 40 = 0.75x (/ 1.0 token per forward); 60 / 40 = 1.5x, / 2.5 = 0.60.
+    assert "| mars_b4_ar1 | 0.75x / 0.75 | 1.50x / 0.60 |" in text
 
 
 def test_unknown_experiment():

@@ -1,14 +1,19 @@
 r"""Tests of mars_jax.evaluate's answer scoring: numerically equal answers score as equal,
 whatever form GSM8K references and model completions write them in ($1,000, 5.50, "is 18.",
 \boxed{...}, 25%, 1/2, ...), and different numbers never do (18 vs 180, 1.5 vs 15, European
-"1.000" vs 1,000)."""
+"1.000" vs 1,000); and its wall clock: each threshold's decode timed best of
+eval.timing_repeats after an untimed warm-up, against AR decoding of the same prompts."""
 
+import collections
 import json
+import time
+import types
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
-from mars_jax import evaluate
+from mars_jax import decode, evaluate
 from test_eval_plot import report
 
 # (completion, reference): the same number.
@@ -157,3 +162,96 @@ def test_each_evaluation_is_kept_in_its_own_file(tmp_path):
     ]
     assert json.loads(open(paths[1]).read()) == second
     assert json.loads((tmp_path / "eval.json").read_text()) == second
+
+
+# ----------------------------------------------------------------------------------------------
+# Wall clock: best of eval.timing_repeats after an untimed warm-up, against AR decoding.
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step trimmed stage-1 run (trained block size 4): (workdir, config)."""
+    from mars_jax import train
+    from train_runs import get_config
+
+    cfg = get_config("ar", data__trim_vocab=True, train__num_steps=2, eval__timing_repeats=2)
+    workdir = str(tmp_path_factory.mktemp("runs") / "ar")
+    train.train(cfg, workdir)
+    return workdir, cfg
+
+
+def _clocked(monkeypatch):
+    """Wraps decode.generate_batched to record each call as (block_size, threshold, seconds,
+    generated tokens) on a fake clock of evaluate's own: the first decode at a block size (the
+    warm-up, which compiles) takes 1e6 s, every other one 1..99 s (random integers)."""
+    real, clock, calls = decode.generate_batched, [0.0], []
+    rng = np.random.default_rng(0)
+
+    def counting(model, prompts, **kwargs):
+        out = real(model, prompts, **kwargs)
+        warm_up = all(b != kwargs["block_size"] for b, *_ in calls)
+        took = 1e6 if warm_up else float(rng.integers(1, 100))
+        clock[0] += took
+        calls.append((kwargs["block_size"], kwargs["threshold"], took, int(out.accepted.sum())))
+        return out
+
+    monkeypatch.setattr(decode, "generate_batched", counting)
+    fake_time = types.SimpleNamespace(**{**vars(time), "perf_counter": lambda: clock[0]})
+    monkeypatch.setattr(evaluate, "time", fake_time)
+    return calls
+
+
+def _best(calls, key):
+    """(fewest seconds, generated tokens) of the timed (not warm-up) calls at ``key``."""
+    timed = [(s, n) for i, (b, t, s, n) in enumerate(calls)
+             if (b, t) == key and any(c[0] == b for c in calls[:i])]
+    assert len({n for _, n in timed}) == 1  # greedy: every repeat decodes the same tokens
+    return min(s for s, _ in timed), timed[0][1]
+
+
+def test_wall_clock_is_the_best_of_repeats_after_an_untimed_warm_up(trained, monkeypatch):
+    workdir, cfg = trained
+    calls = _clocked(monkeypatch)
+    report = evaluate.evaluate(cfg, workdir)
+    assert report["block_size"] == 4 and report["timing_repeats"] == 2
+    keys = [(b, t) for b, t, *_ in calls]
+    # One warm-up per block size first (4: the threshold-1.0 reference; 1: AR), then each
+    # threshold and the AR baseline (block size 1, threshold 1.0) timed twice each.
+    assert keys[:2] == [(4, 1.0), (1, 1.0)]
+    assert collections.Counter(keys[2:]) == {(1, 1.0): 2, (4, 1.0): 2, (4, 0.9): 2}
+    ar_seconds, ar_tokens = _best(calls, (1, 1.0))
+    assert report["ar_seconds"] == ar_seconds < 1e6
+    assert report["ar_tokens_per_s"] == pytest.approx(ar_tokens / ar_seconds, rel=1e-12)
+    for r in report["results"]:
+        seconds, tokens = _best(calls, (4, r["threshold"]))
+        assert r["seconds"] == seconds < 1e6  # the warm-up is not timed
+        assert r["tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-12)
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / report["ar_tokens_per_s"])
+        assert r["conversion"] == pytest.approx(r["speedup"] / r["tokens_per_forward"])
+    table = evaluate.format_table(report)
+    assert f"{report['ar_tokens_per_s']:.1f} tokens/s, best of 2" in table
+    for r in report["results"]:
+        assert f"| {r['speedup']:.2f}x | {r['conversion']:.2f} |" in table
+
+
+def test_ar_decoding_is_its_own_baseline(trained, monkeypatch):
+    """Decoded at block size 1, threshold 1.0 is the AR baseline: measured once (not twice),
+    speedup exactly 1."""
+    workdir, cfg = trained
+    cfg = cfg.copy_and_resolve_references()
+    cfg.eval.block_size = 1
+    calls = _clocked(monkeypatch)
+    report = evaluate.evaluate(cfg, workdir)
+    keys = [(b, t) for b, t, *_ in calls]
+    assert keys[0] == (1, 1.0)
+    assert collections.Counter(keys[1:]) == {(1, 1.0): 2, (1, 0.9): 2}
+    one = report["results"][0]
+    assert one["threshold"] == 1.0 and one["tokens_per_forward"] == 1.0
+    assert (one["seconds"], one["speedup"], one["conversion"]) == (report["ar_seconds"], 1.0, 1.0)
+    assert "| 1.00x | 1.00 |" in evaluate.format_table(report)
+
+
+def test_table_of_a_report_without_wall_clock_columns():
+    """An eval.json written before speedup was measured (export.py tabulates old runs)."""
+    table = evaluate.format_table(report(7, [0.9], seed=0))
+    assert "speedup | conversion" in table and "| - | - |" in table and "best of" not in table
