@@ -3,7 +3,8 @@ r"""Peak host memory of loading a Hugging Face checkpoint onto a sharded mesh.
   python benchmarks/hf_load_memory.py --checkpoint=/tmp/qwen0_5b_bf16
 
 Writes (once) a synthetic bf16 checkpoint with the shapes of Qwen2.5-0.5B (configs/qwen0_5b.py:
-tied embeddings, 151,936 x 896; about 1 GB in safetensors files of at most 400 MB each), then
+tied embeddings, 151,936 x 896; about 1 GB in safetensors files of at most 400 MB each;
+``--shape=tiny``, configs/tiny.py's architecture, makes a smoke run of seconds), then
 loads it into fp32 parameters on 8 simulated CPU devices (mesh fsdp=8) in fresh processes and
 reports each process's peak resident memory (``ru_maxrss``):
 
@@ -36,19 +37,23 @@ _MEASURE = flags.DEFINE_enum("measure", None, ["build", "host", "sharded", "shar
                              "process.")
 _PROCESS = flags.DEFINE_integer("process", 0, "Internal: process id for sharded2.")
 _PORT = flags.DEFINE_integer("port", 0, "Internal: coordinator port for sharded2.")
+_SHAPE = flags.DEFINE_enum("shape", "qwen0_5b", ["qwen0_5b", "tiny"],
+                           "Architecture: that of configs/<shape>.py (tiny: a smoke run).")
 
 _SHARD_BYTES = 400 << 20
 
 
 def _model_config(param_dtype: str):
-    from configs import qwen0_5b
+    import importlib
+
     from mars_jax.model import ModelConfig
 
-    return ModelConfig(**{**qwen0_5b.get_config().model, "param_dtype": param_dtype})
+    config = importlib.import_module(f"configs.{_SHAPE.value}").get_config()
+    return ModelConfig(**{**config.model, "param_dtype": param_dtype})
 
 
 def build(path: str) -> None:
-    """Writes a random bf16 checkpoint with Qwen2.5-0.5B's shapes into ``path``."""
+    """Writes a random bf16 checkpoint with ``--shape``'s shapes into ``path``."""
     import jax
     from flax import nnx
 
@@ -103,7 +108,7 @@ def _child(mode: str, process: int = 0, port: int = 0) -> subprocess.Popen:
     devices = 4 if mode == "sharded2" else 8
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     args = [sys.executable, __file__, f"--checkpoint={_CHECKPOINT.value}", f"--measure={mode}",
-            f"--process={process}", f"--port={port}"]
+            f"--process={process}", f"--port={port}", f"--shape={_SHAPE.value}"]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
 
 

@@ -7,7 +7,8 @@ r"""Host memory across repeated `train` calls in one process, with and without
 
 Each call trains `configs/tiny.py` for ``--steps`` steps (batch 4, 32 synthetic rows) in a fresh
 temporary workdir; after it (and ``jax.clear_caches()`` with the flag) the script collects
-garbage and prints the process RSS (psutil), then the growth from the first call to the last.
+garbage and prints the process RSS (psutil), then the growth from the first call to the last
+(with two calls or more).
 """
 
 import gc
@@ -40,8 +41,9 @@ def main(argv) -> None:
         gc.collect()
         rss.append(process.memory_info().rss / 2**20)
         print(f"call {call + 1}: RSS {rss[-1]:.0f} MiB", flush=True)
-    print(f"growth from call 1 to call {len(rss)}: {100 * (rss[-1] / rss[0] - 1):.1f}%; "
-          f"from call 2: {100 * (rss[-1] / rss[1] - 1):.1f}%")
+    if len(rss) > 1:  # --calls=1: no growth to report (rss[1] does not exist)
+        print(f"growth from call 1 to call {len(rss)}: {100 * (rss[-1] / rss[0] - 1):.1f}%; "
+              f"from call 2: {100 * (rss[-1] / rss[1] - 1):.1f}%")
 
 
 if __name__ == "__main__":
