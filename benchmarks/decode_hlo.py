@@ -28,7 +28,7 @@ the op it was made from (HLO metadata: "while" for a lax loop such as the layer 
 "gather" for one the compiler made) and the slicing ops in its body; a loop made from a scatter or
 gather, or bounded by the rows per device, is a *row loop*. Then the slicing and collective ops of
 the program, and from ``compiled.cost_analysis()`` flops, bytes accessed and libtpu's
-``optimal_seconds`` estimate (see `_optimal`; XLA's cost analysis counts a while body once, so a
+``optimal_seconds`` estimate (see `optimal`; XLA's cost analysis counts a while body once, so a
 loop is understated by its trip count), and ``memory_analysis()``'s temp bytes.
 
 Then, on this machine's CPU, the forward per write scheme is timed: a jitted ``fori_loop`` of
@@ -295,7 +295,7 @@ def while_loops(text: str, rows: int) -> list[dict]:
     return loops
 
 
-def _optimal(seconds: float | None) -> dict:
+def optimal(seconds: float | None) -> dict:
     """libtpu's ``optimal_seconds`` estimate split into {"optimal_us": the estimate of the ops it
     could estimate, "unestimated": how many it could not}. As read from its values (not from
     documentation): each op it cannot estimate (e.g. a while loop, some gathers) adds -1 s, so a
@@ -327,7 +327,7 @@ def hlo_summary(compiled, rows_per_device: int) -> dict:
         "ops": {k: v for k, v in counts.items() if v},
         "flops": cost.get("flops"),
         "bytes_accessed": cost.get("bytes accessed"),
-        **_optimal(cost.get("optimal_seconds")),
+        **optimal(cost.get("optimal_seconds")),
         "temp_bytes": mem.temp_size_in_bytes,
         "argument_bytes": mem.argument_size_in_bytes,
         "alias_bytes": mem.alias_size_in_bytes,

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import math
 import os
@@ -90,7 +91,7 @@ from benchmarks import decode_step
 from mars_jax.model import ModelConfig, Qwen2, init_cache
 from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
-MODELS = ("trained", "qwen0_5b_shape")
+MODELS = ("trained", "qwen0_5b_shape", "qwen7b_shape", "tiny_shape")
 # MARS decoders: the `decode.generate` keywords besides block size and threshold.
 MARS = {
     "sliding": dict(cache_mode="sliding", rule="prob"),
@@ -144,15 +145,18 @@ class Subject:
 
 
 def load_transformers(model: Qwen2, *, eos_ids: Sequence[int], pad_id: int):
-    """``model``'s weights exported (`huggingface.export_hf`) and loaded as a float32
-    transformers ``Qwen2ForCausalLM`` whose generation config is greedy, cached, stops at
-    ``eos_ids`` (never when empty) and pads with ``pad_id``."""
+    """``model``'s weights exported (`huggingface.export_hf`) and loaded as a transformers
+    ``Qwen2ForCausalLM`` in the model's compute dtype (on the GPU where torch has one) whose
+    generation config is greedy, cached, stops at ``eos_ids`` (never when empty) and pads with
+    ``pad_id``."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    dtype = getattr(torch, model.cfg.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as path:
         huggingface.export_hf(model, path)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     # Set on the model itself: generate() fills unset (None) values from it.
     hf.generation_config = GenerationConfig(
         do_sample=False, use_cache=True, eos_token_id=list(eos_ids) or None, pad_token_id=pad_id
@@ -171,7 +175,8 @@ def make_subject(name: str, model: Qwen2, prompts, *, eos_ids=decode.DEFAULT_EOS
 
 def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir: str | None = None,
                    config=None, num_prompts: int = 64, max_new_tokens: int = 128,
-                   shape_prompt_len: int = 40, shape_max_new_tokens: int = 16) -> list[Subject]:
+                   shape_prompt_len: int = 40, shape_max_new_tokens: int = 16,
+                   shape_dtype: str = "float32") -> list[Subject]:
     """The models ``names`` (`MODELS`) and their prompts (module docstring)."""
     subjects = []
     for name in names:
@@ -189,16 +194,16 @@ def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir:
                 max_new_tokens=max_new_tokens, eos_ids=vocab.model_ids(tok, decode.DEFAULT_EOS_IDS),
                 pad_id=tok.pad_id, mask_id=tok.mask_id, min_prompts=num_prompts,
             ))
-        elif name == "qwen0_5b_shape":
-            from configs import qwen0_5b
-
-            c = qwen0_5b.get_config("mars")
-            cfg = ModelConfig(**{**c.model.to_dict(), "dtype": "float32", "param_dtype": "float32"})
+        elif name.endswith("_shape") and name[: -len("_shape")] in decode_step.SHAPES:
+            shape = name[: -len("_shape")]
+            cfg = decode_step.model_config(shape, shape_dtype)
+            block_size = importlib.import_module(f"configs.{shape}").get_config(
+                "mars").objective.block_size
             rng = np.random.default_rng(0)
             prompts = rng.integers(0, ENDOFTEXT_ID, (max(batch_sizes), shape_prompt_len))
             subjects.append(make_subject(
-                name, Qwen2(cfg, rngs=nnx.Rngs(0)), prompts.tolist(),
-                block_size=c.objective.block_size, max_new_tokens=shape_max_new_tokens,
+                name, nnx.merge(*decode_step.random_params(cfg)), prompts.tolist(),
+                block_size=block_size, max_new_tokens=shape_max_new_tokens,
                 eos_ids=(), one_threshold=True, none_max_batch=4,
             ))
         else:
@@ -217,9 +222,10 @@ def transformers_generate(hf, prompts, *, batch_size: int, max_new_tokens: int,
     outputs = []
     for ids, mask in _padded_batches(prompts, batch_size, pad_id, left=True):
         with torch.inference_mode():
-            seq = hf.generate(input_ids=torch.from_numpy(ids),
-                              attention_mask=torch.from_numpy(mask), max_new_tokens=max_new_tokens)
-        gen = seq[:, width:].numpy().astype(np.int32)
+            seq = hf.generate(input_ids=torch.from_numpy(ids).to(hf.device),
+                              attention_mask=torch.from_numpy(mask).to(hf.device),
+                              max_new_tokens=max_new_tokens)
+        gen = seq[:, width:].cpu().numpy().astype(np.int32)
         n = gen.shape[1]
         is_eos = np.isin(gen, np.asarray(eos_ids, np.int32))
         lengths = np.where(is_eos.any(1), is_eos.argmax(1), n).astype(np.int32)
@@ -269,8 +275,11 @@ def prefill_run(s: Subject, family: str, *, batch: int, block_size: int):
         def run():
             with torch.inference_mode():
                 for ids, mask in batches:
-                    s.hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                    s.hf(input_ids=torch.from_numpy(ids).to(s.hf.device),
+                         attention_mask=torch.from_numpy(mask).to(s.hf.device),
                          use_cache=True, logits_to_keep=1)  # as generate: the last only
+                if s.hf.device.type == "cuda":
+                    torch.cuda.synchronize()
         return run
     graphdef, params = nnx.split(s.model)
     width = max(map(len, prompts))
@@ -416,15 +425,18 @@ def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
 def main() -> None:
     config = cli.config_flag(help="Config of the trained run (its eval data gives the prompts).")
     workdir = flags.DEFINE_string("workdir", None, "Trained run directory (--model=trained).")
-    models = flags.DEFINE_list("model", ["both"], f"Models: both, or a list of {MODELS}.")
+    models = flags.DEFINE_list(
+        "model", ["both"], f"Models: both (trained, qwen0_5b_shape), or a list of {MODELS}.")
     decoders = flags.DEFINE_list("decoders", list(DECODERS), "Decoders (ar is always timed).")
     batch_sizes = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes.")
     thresholds = flags.DEFINE_list("thresholds", ["1.0", "0.95", "0.9", "0.8"], "MARS thresholds.")
     num_prompts = flags.DEFINE_integer(
         "num_prompts", 64, "Trained model: prompts per configuration (whole batches).")
     max_new = flags.DEFINE_integer("max_new_tokens", 128, "Trained model: completion budget.")
-    shape_len = flags.DEFINE_integer("shape_prompt_len", 40, "qwen0_5b_shape: prompt tokens.")
-    shape_new = flags.DEFINE_integer("shape_max_new_tokens", 16, "qwen0_5b_shape: new tokens.")
+    shape_len = flags.DEFINE_integer("shape_prompt_len", 40, "*_shape: prompt tokens.")
+    shape_new = flags.DEFINE_integer("shape_max_new_tokens", 16, "*_shape: new tokens.")
+    shape_dtype = flags.DEFINE_string("shape_dtype", "float32", "*_shape: parameter and compute "
+                                      "dtype (transformers runs the same).")
     repeats = flags.DEFINE_integer("repeats", 2, "Timed runs per configuration (best is kept).")
     as_json = flags.DEFINE_bool("json", False, "Print one JSON line per row, not a table.")
     output_dir = flags.DEFINE_string(
@@ -441,6 +453,12 @@ def main() -> None:
     prompt_len = flags.DEFINE_integer("prompt_len", 128, "--accept: prompt tokens per row.")
     steps = flags.DEFINE_integer("steps", 8, "--accept: forwards per timed program.")
 
+    def save(rows):  # after every group, so that a run stopped early keeps what it measured
+        header = (f"{decode_step.device_line()}; fixed acceptance, {steps.value} forwards per "
+                  f"program, best of {repeats.value}, prompts of {prompt_len.value} tokens.\n\n")
+        if output_dir.value:
+            decode_step.write(rows, output_dir.value, header)
+
     def run_steps():
         rows = decode_step.benchmark(
             shapes=shapes.value, dtypes=dtypes.value,
@@ -448,20 +466,16 @@ def main() -> None:
             block_sizes=[int(b) for b in block_sizes.value],
             accepts=[int(k) for k in accept.value], modes=modes.value,
             prompt_len=prompt_len.value, steps=steps.value, repeats=repeats.value,
-            emit=lambda text: print(text, flush=True))
-        header = (f"{decode_step.device_line()}; fixed acceptance, {steps.value} forwards per "
-                  f"program, best of {repeats.value}, prompts of {prompt_len.value} tokens.\n\n")
+            emit=lambda text: print(text, flush=True), on_rows=save)
         if as_json.value:
             print("\n".join(json.dumps(r) for r in rows))
-        if output_dir.value:
-            decode_step.write(rows, output_dir.value, header)
 
     def run():
         if accept.value:
             return run_steps()
         import torch
 
-        names = list(MODELS) if models.value == ["both"] else models.value
+        names = ["trained", "qwen0_5b_shape"] if models.value == ["both"] else models.value
         unknown = set(decoders.value) - set(DECODERS)
         if unknown:
             raise ValueError(f"unknown decoders {sorted(unknown)}; expected some of {DECODERS}")
@@ -469,7 +483,8 @@ def main() -> None:
         subjects = build_subjects(
             names, batch_sizes=sizes, workdir=workdir.value, config=config.value,
             num_prompts=num_prompts.value, max_new_tokens=max_new.value,
-            shape_prompt_len=shape_len.value, shape_max_new_tokens=shape_new.value)
+            shape_prompt_len=shape_len.value, shape_max_new_tokens=shape_new.value,
+            shape_dtype=shape_dtype.value)
         rows = benchmark(subjects, batch_sizes=sizes,
                          thresholds=[float(t) for t in thresholds.value],
                          decoders=decoders.value, repeats=repeats.value)

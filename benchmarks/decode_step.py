@@ -127,10 +127,12 @@ class Case:
 
 def benchmark_group(graphdef, params, *, shape: str, dtype: str, batch: int, block_size: int,
                     accepts: Sequence[int], modes: Sequence[str], prompt_len: int, steps: int,
-                    repeats: int) -> list[dict]:
-    """Every (mode, K) row of one (shape, dtype, batch, B) group, ar included (`KEYS`)."""
+                    repeats: int, budget_block: int | None = None) -> list[dict]:
+    """Every (mode, K) row of one (shape, dtype, batch, B) group, ar included (`KEYS`).
+    The completion budget, never reached, is sized for K up to ``budget_block`` (default B):
+    groups of one batch size that share it share their AR program."""
     accepts = [k for k in accepts if 1 <= k <= block_size]
-    budget = ((repeats + 1) * steps + 1) * block_size  # never reached: no row finishes
+    budget = ((repeats + 1) * steps + 1) * (budget_block or block_size)
     cases = [Case("ar", 1, None, None)] + [Case(m, k, None, None) for m in modes if m != "ar"
                                            for k in accepts]
     decoders = {}
@@ -161,8 +163,10 @@ def benchmark_group(graphdef, params, *, shape: str, dtype: str, batch: int, blo
 
 def benchmark(*, shapes: Sequence[str], dtypes: Sequence[str], batch_sizes: Sequence[int],
               block_sizes: Sequence[int], accepts: Sequence[int], modes: Sequence[str] = MODES,
-              prompt_len: int = 128, steps: int = 8, repeats: int = 3, emit=print) -> list[dict]:
-    """All rows, group by group (``emit`` gets each group's markdown lines as they finish)."""
+              prompt_len: int = 128, steps: int = 8, repeats: int = 3, emit=print,
+              on_rows=None) -> list[dict]:
+    """All rows, group by group: ``emit`` gets each group's markdown lines as they finish and
+    ``on_rows`` (if given) every row so far."""
     unknown = set(modes) - set(MODES)
     if unknown:
         raise ValueError(f"unknown modes {sorted(unknown)}; expected some of {MODES}")
@@ -176,9 +180,11 @@ def benchmark(*, shapes: Sequence[str], dtypes: Sequence[str], batch_sizes: Sequ
                     group = benchmark_group(
                         graphdef, params, shape=shape, dtype=dtype, batch=batch, block_size=b,
                         accepts=accepts, modes=modes, prompt_len=prompt_len, steps=steps,
-                        repeats=repeats)
+                        repeats=repeats, budget_block=max(block_sizes))
                     rows += group
                     emit(markdown(group, header=not rows[: -len(group)]).rstrip("\n"))
+                    if on_rows is not None:
+                        on_rows(rows)
             del params
     return rows
 

@@ -5,8 +5,9 @@ a documented command cannot break unseen.
 Scripts run as commands elsewhere: benchmarks/decode_hlo.py (tests/test_decode_hlo.py) and
 launch/memory_plan.py (tests/test_memory_plan.py), both compiling for TPU through libtpu.
 tests/test_decode_speed.py tests decode_speed's functions in-process; here its command runs, on
-the checkpoint of the soak run (a 2-step tiny training run), and as benchmarks/decode_step.py's
-fixed-acceptance table (``--accept``).
+the checkpoint of the soak run (a 2-step tiny training run); benchmarks/accelerator.sh --smoke
+runs train_step.py, decode_speed.py's fixed-acceptance table (``--accept``) and its transformers
+comparison on a random shape.
 """
 
 from __future__ import annotations
@@ -121,17 +122,39 @@ def test_roofline(extra):
         assert ridges == sorted(ridges, reverse=True)  # a wider window fits fewer rows
 
 
-# -- benchmarks/train_step.py ----------------------------------------------------------------
+# -- benchmarks/accelerator.sh --smoke: decode_step, transformers and train_step ----------
 
 
-def test_train_step():
-    """The README's command at one timed step on a shrunk tiny model, a small batch and length;
-    the peak measured with a small matmul."""
+SMOKE_BLOCK, SMOKE_STEPS = 2, 6  # accelerator.sh --smoke's B and forwards per program
+
+
+@pytest.fixture(scope="module")
+def accelerator(tmp_path_factory):
+    """The prepared accelerator run on CPU at its smoke setting: its output directory."""
+    out = tmp_path_factory.mktemp("accelerator")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--smoke", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_accelerator_parts(accelerator):
+    parts = [json.loads(line) for line in (accelerator / "parts.jsonl").read_text().splitlines()]
+    assert [p["part"] for p in parts] == ["decode_step_tiny", "transformers", "train_step"]
+    assert all(p["rc"] == 0 for p in parts)
+    summary = (accelerator / "summary.md").read_text()
+    for p in parts:
+        assert f"## {p['part']}" in summary and p["command"] in summary
+
+
+def test_train_step(accelerator):
+    """benchmarks/train_step.py (the README's command) at one timed step of a shrunk tiny model
+    on a small batch and length; the peak measured with a small matmul."""
     rows, length = 2, 32
-    out = run("benchmarks/train_step.py", "--config=configs/tiny.py", "--steps=1",
-              "--matmul_size=256", *SMALL_MODEL, f"--config.data.max_length={length}",
-              f"--config.train.batch_size={rows}")
-    lines = out.strip().splitlines()
+    out = (accelerator / "train_step.log").read_text()
+    lines = [line for line in out.strip().splitlines() if not line.startswith(("W", "I"))]
     assert lines[0].startswith(f"cpu x 1: batch {rows}, length {length}, 50% labelled")
     ratio = re.fullmatch(r"mars/ar step time ratio: (\d+\.\d\d)", lines[-1])
     assert ratio, lines[-1]
@@ -144,24 +167,16 @@ def test_train_step():
     # MARS runs the decoder over 2L tokens and two logits streams: more FLOPs than AR, not 4x.
     assert 1.5 < mars["tflop_per_step"] / ar["tflop_per_step"] < 2.5
     assert float(ratio.group(1)) == pytest.approx(mars["step_s"] / ar["step_s"], abs=0.006)
-    assert float(ratio.group(1)) > 0
     head, body = header_and_body(out, "| objective")  # the table has no title line
     assert [r[0] for r in body] == ["ar", "mars"]
 
 
-# -- benchmarks/decode_step.py (decode_speed.py --accept) ------------------------------------
-
-
-def test_decode_step(tmp_path):
-    """decode_step's command on the tiny shape, B = 2, K = 1 and 2. 6 forwards per program: a
-    whole number of the block mode's cycles (ceil(B / K) fills and a commit: 3 and 2 forwards),
-    so its tokens_per_forward is exactly B / (ceil(B / K) + 1)."""
-    block, steps = 2, 6
-    out = run("benchmarks/decode_speed.py", "--accept=1,2", "--shapes=tiny", "--batch_sizes=1",
-              f"--block_sizes={block}", f"--steps={steps}", "--repeats=1", "--prompt_len=8",
-              "--json", f"--output_dir={tmp_path}")
-    rows = [json.loads(line) for line in (tmp_path / "decode_step.jsonl").read_text().splitlines()]
-    assert rows == [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+def test_decode_step(accelerator):
+    """decode_speed.py --accept (benchmarks/decode_step.py) on the tiny shape, B = 2, K = 1 and
+    2. 6 forwards per program: a whole number of the block mode's cycles (ceil(B / K) fills and
+    a commit: 3 and 2 forwards), so its tokens_per_forward is exactly B / (ceil(B / K) + 1)."""
+    block, steps, out = SMOKE_BLOCK, SMOKE_STEPS, accelerator / "decode_step_tiny"
+    rows = [json.loads(line) for line in (out / "decode_step.jsonl").read_text().splitlines()]
     assert [(r["mode"], r["accept"]) for r in rows] == [("ar", 1)] + [
         (m, k) for m in ("sliding", "sliding_fixed", "block") for k in (1, 2)]
     ar = rows[0]
@@ -175,9 +190,22 @@ def test_decode_step(tmp_path):
         k = r["accept"]
         expected = k if r["mode"] != "block" else block / (math.ceil(block / k) + 1)
         assert r["tokens_per_forward"] == pytest.approx(expected), r
-    md = (tmp_path / "decode_step.md").read_text()
+    md = (out / "decode_step.md").read_text()
     assert md.startswith("JAX ") and f"{steps} forwards per program, best of 1" in md
     assert len(header_and_body(md, "JAX ")[1]) == len(rows)
+
+
+def test_transformers_beside_our_decoders(accelerator):
+    rows = [json.loads(line) for line in
+            (accelerator / "transformers" / "decode_speed.jsonl").read_text().splitlines()]
+    assert [r["decoder"] for r in rows] == ["ar", "sliding", "transformers"]
+    ar = rows[0]
+    for r in rows:
+        assert r["model"] == "tiny_shape" and r["batch"] == 1 and r["max_new_tokens"] == 4
+        # No EOS on a random model: every row generates the whole budget in every decoder.
+        assert r["tokens"] == 4 * r["prompts"]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
+        assert r["conversion"] == pytest.approx(r["speedup"] / r["tokens_per_forward"])
 
 
 # -- benchmarks/soak.py, then decode_speed.py on its checkpoint ------------------------------
