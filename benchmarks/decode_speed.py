@@ -452,6 +452,9 @@ def main() -> None:
     modes = flags.DEFINE_list("modes", list(decode_step.MODES), "--accept: modes.")
     prompt_len = flags.DEFINE_integer("prompt_len", 128, "--accept: prompt tokens per row.")
     steps = flags.DEFINE_integer("steps", 8, "--accept: forwards per timed program.")
+    parts = flags.DEFINE_bool("parts", False, "With --accept: also time a step's pieces alone "
+                              "(layers, projection, choice; benchmarks/decode_step.parts).")
+    profile_dir = flags.DEFINE_string("profile_dir", "", "--parts: write jax.profiler traces.")
 
     def save(rows):  # after every group, so that a run stopped early keeps what it measured
         header = (f"{decode_step.device_line()}; fixed acceptance, {steps.value} forwards per "
@@ -469,6 +472,16 @@ def main() -> None:
             emit=lambda text: print(text, flush=True), on_rows=save)
         if as_json.value:
             print("\n".join(json.dumps(r) for r in rows))
+        if parts.value:
+            pieces = [p for shape in shapes.value for dtype in dtypes.value
+                      for b in batch_sizes.value for p in decode_step.parts(
+                          shape, dtype, batch=int(b), block_size=int(block_sizes.value[0]),
+                          prompt_len=prompt_len.value, repeats=repeats.value,
+                          profile_dir=profile_dir.value)]
+            print(decode_step.parts_markdown(pieces))
+            if output_dir.value:
+                with open(os.path.join(output_dir.value, "decode_step_parts.md"), "w") as f:
+                    f.write(decode_step.parts_markdown(pieces))
 
     def run():
         if accept.value:

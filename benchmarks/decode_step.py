@@ -213,3 +213,74 @@ def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
 def device_line() -> str:
     d = jax.devices()[0]
     return f"JAX {jax.__version__} on {d.device_kind} ({d.platform}) x {jax.device_count()}"
+
+
+def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: int,
+          repeats: int = 5, profile_dir: str = "") -> list[dict]:
+    """Where a step's time goes: the pieces of a sliding step timed alone (each a jitted
+    program, best of ``repeats``) at T = 1 (AR), B (narrow) and 2B-1 (wide) query slots:
+    ``layers`` (the decoder forward against the KV cache), ``projection`` (T positions onto the
+    vocabulary) and ``choice`` (argmax and the prob confidence of those logits). With
+    ``profile_dir``, a jax.profiler trace of one AR step and one narrow step is written there.
+    """
+    from mars_jax.model import init_cache
+
+    cfg = model_config(shape, dtype)
+    graphdef, params = random_params(cfg)
+    slots = prompt_len + 2 * (2 * block_size - 1)
+    cache = init_cache(cfg, batch, slots)
+    start = jnp.full((batch,), prompt_len, jnp.int32)
+
+    @jax.jit
+    def layers(params, cache, ids):
+        model = nnx.merge(graphdef, params)
+        pos = start[:, None] + jnp.arange(ids.shape[1])
+        return model(ids, pos, jnp.arange(slots)[None, None, :] <= pos[:, :, None], cache,
+                     start)
+
+    @jax.jit
+    def projection(params, hidden):
+        return nnx.merge(graphdef, params).logits(hidden)
+
+    @jax.jit
+    def choice(logits):
+        token = decode.argmax(logits)
+        return token, decode.ACCEPTANCE_RULES["prob"].confidence(logits, token)
+
+    def best(fn, *args):
+        jax.block_until_ready(fn(*args))
+        out = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            out = min(out, time.perf_counter() - t)
+        return 1e3 * out
+
+    rows = []
+    for width in (1, block_size, 2 * block_size - 1):
+        ids = jnp.zeros((batch, width), jnp.int32)
+        hidden = jnp.ones((batch, min(width, block_size), cfg.hidden_size), cfg.dtype)
+        logits = projection(params, hidden)
+        rows.append(dict(shape=shape, dtype=dtype, batch=batch, slots=width,
+                         projected=hidden.shape[1], layers_ms=best(layers, params, cache, ids),
+                         projection_ms=best(projection, params, hidden),
+                         choice_ms=best(choice, logits)))
+    if profile_dir:
+        for width in (1, block_size):
+            with jax.profiler.trace(os.path.join(profile_dir, f"slots_{width}")):
+                ids = jnp.zeros((batch, width), jnp.int32)
+                hidden = layers(params, cache, ids)[0][:, :block_size]
+                jax.block_until_ready(choice(projection(params, hidden)))
+    return rows
+
+
+def parts_markdown(rows: Sequence[dict]) -> str:
+    lines = ["| shape | dtype | batch | query slots | projected | layers ms | projection ms | "
+             "choice ms | total ms | x AR |", "|---" * 10 + "|"]
+    ar = rows[0]["layers_ms"] + rows[0]["projection_ms"] + rows[0]["choice_ms"]
+    for r in rows:
+        total = r["layers_ms"] + r["projection_ms"] + r["choice_ms"]
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['slots']} | "
+                     f"{r['projected']} | {r['layers_ms']:.1f} | {r['projection_ms']:.1f} | "
+                     f"{r['choice_ms']:.2f} | {total:.1f} | {total / ar:.2f} |")
+    return "\n".join(lines) + "\n"
