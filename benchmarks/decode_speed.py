@@ -31,11 +31,18 @@ MARS decoders run at the run's trained block size and at each ``--thresholds``. 
 
   trained         a trained run (``--workdir``) on ``--num_prompts`` evaluation prompts of the
                   ``--config``'s eval data (chat template applied), ``--max_new_tokens`` each;
-  qwen0_5b_shape  random fp32 weights of configs/qwen0_5b.py's architecture (block size 8) on
-                  random prompts of ``--shape_prompt_len`` tokens, ``--shape_max_new_tokens``
-                  each, one batch per batch size. Its MARS acceptance is meaningless (random
-                  weights accept one token per forward at any threshold < 1, so its MARS rows are
-                  timed at the lowest threshold only): its point is step_ms, the cost of a step.
+  qwen0_5b_shape  random weights (``--shape_dtype``, fp32 by default) of configs/qwen0_5b.py's
+                  architecture (block size 8) on random prompts of ``--shape_prompt_len``
+                  tokens, ``--shape_max_new_tokens`` each, one batch per batch size. Its MARS
+                  acceptance is meaningless (random weights accept one token per forward at any
+                  threshold < 1, so its MARS rows are timed at the lowest threshold only): its
+                  point is step_ms, the cost of a step. ``qwen7b_shape`` and ``tiny_shape``
+                  are the same for configs/qwen7b.py and configs/tiny.py.
+
+``--accept=K,...`` runs the fixed-acceptance step table of benchmarks/decode_step.py instead
+(every row accepts exactly K tokens per forward; flags --shapes, --dtypes, --batch_sizes,
+--block_sizes, --modes, --steps, --prompt_len, --repeats; --parts also times a step's pieces).
+transformers runs on the GPU when torch has one, in the model's dtype.
 
 Fairness. Every decoder of a model gets the same prompt token ids and the same stopping rule.
 The trained model stops each row at <|im_end|> or <|endoftext|> in every decoder, transformers
