@@ -18,10 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 2  # configs/tiny.py
 ROWS = 12  # rows per device (12 on one chip, 3 on four) differ from the layers and windows
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason='libtpu is not installed (pip install "jax[tpu]" at the installed jax version)',
-)
+pytestmark = [
+    pytest.mark.tpu_compile,
+    pytest.mark.subprocess,
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason='libtpu is not installed (pip install "jax[tpu]" at the installed jax version)',
+    ),
+]
 
 
 def compile_rows(topology: str, *extra: str) -> list[dict]:

@@ -13,10 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason='libtpu is not installed (pip install "jax[tpu]" at the installed jax version)',
-)
+pytestmark = [
+    pytest.mark.tpu_compile,
+    pytest.mark.subprocess,
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason='libtpu is not installed (pip install "jax[tpu]" at the installed jax version)',
+    ),
+]
 
 
 def tiny_config(stage: str):
