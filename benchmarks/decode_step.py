@@ -28,7 +28,8 @@ Columns: step_ms (wall ms per forward), ar_step_ms (ar at the same shape, dtype 
 conversion = ar_step_ms / step_ms (1.0: a MARS step costs one AR step), tokens_per_forward
 (counted in the timed run: K for sliding, B / (ceil(B / K) + 1) for block) and speedup =
 tokens_per_forward * conversion, the tokens/s over AR this decoder would reach at that
-acceptance.
+acceptance; param_bytes, the parameters' bytes (a step's floor is param_bytes / the memory
+bandwidth: on an H200, 4.8 TB/s).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ MODES = ("ar", "sliding", "sliding_fixed", "block")
 SHAPES = ("tiny", "qwen0_5b", "qwen7b")
 ACCEPT_ALL = 1e-30  # below any probability the prob rule computes: every candidate qualifies
 KEYS = ("shape", "dtype", "batch", "block_size", "mode", "accept", "prompt_len", "steps",
-        "step_ms", "ar_step_ms", "conversion", "tokens_per_forward", "speedup")
+        "step_ms", "ar_step_ms", "conversion", "tokens_per_forward", "speedup", "param_bytes")
 
 
 def model_config(shape: str, dtype: str, **overrides) -> ModelConfig:
@@ -181,6 +182,9 @@ def benchmark(*, shapes: Sequence[str], dtypes: Sequence[str], batch_sizes: Sequ
                         graphdef, params, shape=shape, dtype=dtype, batch=batch, block_size=b,
                         accepts=accepts, modes=modes, prompt_len=prompt_len, steps=steps,
                         repeats=repeats, budget_block=max(block_sizes))
+                    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+                    for r in group:  # a step's floor is weights / HBM bandwidth
+                        r["param_bytes"] = weights
                     rows += group
                     emit(markdown(group, header=not rows[: -len(group)]).rstrip("\n"))
                     if on_rows is not None:
