@@ -827,8 +827,8 @@ def generate(
         raise ValueError(f"threshold must lie in (0, 1], got {threshold.tolist()}")
     if cache_mode not in CACHE_MODES:
         raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if rule not in ACCEPTANCE_RULES:
+        raise ValueError(f"rule must be one of {tuple(ACCEPTANCE_RULES)}, got {rule!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     ACCEPTANCE_RULES[rule].check(sampling=temperature > 0, cache_mode=cache_mode)
