@@ -104,7 +104,8 @@ def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float,
     c.objective.name = objective
     c.init_from = ""
     model_cfg = ModelConfig(**c.model)
-    examples = [data.Example(i, l, r) for r, (i, l) in enumerate(zip(batch["input_ids"], batch["labels"]))]
+    examples = [data.Example(ids, labels, r)
+                for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))]
     obj = train_step.objective_settings(c, MASK_ID, examples)
     mesh, rules = sharding.mesh_from_config(c.mesh)
     graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)

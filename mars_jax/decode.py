@@ -640,7 +640,8 @@ class Decoder:
         # New drafts: the masks after the last draft predict the tokens after the AR token that
         # follows it; they are valid only where every draft was accepted.
         if B > 1:
-            draft_logits = self._project(model, s, read_rows(hidden, first + s.num_drafts + 1, B - 1))
+            after = read_rows(hidden, first + s.num_drafts + 1, B - 1)
+            draft_logits = self._project(model, s, after)
             new_drafts = self._choose(s, draft_logits, (s.committed + s.num_drafts)[:, None] + i)
             sure = _confident(self.acceptance.confidence(draft_logits, new_drafts), s.threshold)
             # The next step accepts at most its drafts + 1 tokens: no more drafts than that uses.

@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.tpu_compile,
     pytest.mark.subprocess,
     pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                       reason='libtpu is not installed (pip install "jax[tpu]" at the jax version)'),
+                       reason='libtpu is not installed (pip install "jax[tpu]")'),
 ]
 BLOCK = 2
 
@@ -34,7 +34,8 @@ def estimate(tmp_path_factory):
          "--prompt_len=16", "--max_new_tokens=8", f"--output_dir={out}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "decode_tpu_estimate.jsonl").read_text().splitlines()]
+    lines = (out / "decode_tpu_estimate.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     return rows, (out / "decode_tpu_estimate.md").read_text()
 
 
