@@ -147,22 +147,12 @@ def tables(exp, runs: dict) -> str:
     ]:
         r = runs[name]["report"]
         lines.append(f"| {name} | {r['step']} | {one(name)['accuracy']:.3f} | {r['ar_nll']:.4f} |")
-    lines += [
-        "",
+    lines += _threshold_table(
+        exp, runs,
         "**(b) Speed and quality over thresholds** (tokens per forward / accuracy / agreement "
         "with threshold 1.0)",
-        "",
-        "| run | " + " | ".join(f"{t:g}" for t in exp.thresholds) + " |",
-        "|---|" + "---|" * len(exp.thresholds),
-    ]
-    for name in (n for n in runs if n.startswith("mars")):
-        cells = []
-        for t in exp.thresholds:
-            r = _at(runs[name]["report"], float(t))
-            cells.append(
-                f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f} / {r['agreement_with_ar']:.2f}"
-            )
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lambda r: f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f} / "
+                  f"{r['agreement_with_ar']:.2f}")
     lines += _wall_clock(exp, runs)
     t = exp.headline_threshold
     lines += [
@@ -182,6 +172,17 @@ def tables(exp, runs: dict) -> str:
     return "\n".join(lines)
 
 
+def _threshold_table(exp, runs: dict, title: str, cell) -> list[str]:
+    """Markdown lines of a table with a row per MARS run and a column per threshold, each cell
+    ``cell(result row of that threshold)``."""
+    lines = ["", title, "", "| run | " + " | ".join(f"{t:g}" for t in exp.thresholds) + " |",
+             "|---|" + "---|" * len(exp.thresholds)]
+    for name in (n for n in runs if n.startswith("mars")):
+        cells = [cell(_at(runs[name]["report"], float(t))) for t in exp.thresholds]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _wall_clock(exp, runs: dict) -> list[str]:
     """Markdown lines of the wall-clock table: per MARS run and threshold, speedup = its
     tokens/s over the AR control's at threshold 1.0, and conversion = speedup / tokens per
@@ -189,67 +190,13 @@ def _wall_clock(exp, runs: dict) -> list[str]:
     ar = "ar_control" in runs and _at(runs["ar_control"]["report"], 1.0)
     if not ar:
         return []
-    lines = [
-        "",
+
+    def cell(r):
+        speedup = r["tokens_per_s"] / ar["tokens_per_s"]
+        return f"{speedup:.2f}x / {speedup / r['tokens_per_forward']:.2f}"
+
+    return _threshold_table(
+        exp, runs,
         "**(b) Wall clock** (speedup over the AR control's "
         f"{ar['tokens_per_s']:.1f} tokens/s at threshold 1.0 / conversion = speedup / tokens "
-        "per forward)",
-        "",
-        "| run | " + " | ".join(f"{t:g}" for t in exp.thresholds) + " |",
-        "|---|" + "---|" * len(exp.thresholds),
-    ]
-    for name in (n for n in runs if n.startswith("mars")):
-        cells = []
-        for t in exp.thresholds:
-            r = _at(runs[name]["report"], float(t))
-            speedup = r["tokens_per_s"] / ar["tokens_per_s"]
-            cells.append(f"{speedup:.2f}x / {speedup / r['tokens_per_forward']:.2f}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def write_results(exp, runs: dict, results_dir: str, seconds: float) -> str:
-    """Writes ``<name>.md`` (tables, device, times), ``<name>.json`` and ``<name>.png`` (Pareto
-    plot of the MARS runs) into ``results_dir``; returns the markdown."""
-    os.makedirs(results_dir, exist_ok=True)
-    device = f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind}) x {jax.device_count()}"
-    train_s = sum(r["train_s"] for r in runs.values())
-    eval_s = sum(r["eval_s"] for r in runs.values())
-    text = (
-        f"### {exp.name}: {exp.description}\n\n"
-        f"Device: {device}. This invocation: {seconds / 60:.1f} min ({train_s / 60:.1f} training, "
-        f"{eval_s / 60:.1f} evaluating; work already done by an earlier invocation counts 0).\n\n"
-        + tables(exp, runs)
-        + "\n"
-    )
-    base = os.path.join(results_dir, exp.name)
-    with open(base + ".md", "w") as f:
-        f.write(text)
-    with open(base + ".json", "w") as f:
-        json.dump({"device": device, "seconds": seconds, "runs": runs}, f, indent=2)
-    mars = {n: r["report"]["results"] for n, r in runs.items() if n.startswith("mars")}
-    if mars:
-        plots.pareto_plot(mars, base + ".png", title=f"{exp.name}: tokens per forward vs accuracy")
-    return text
-
-
-def claims(exp, root: str, results_dir: str) -> str:
-    """Runs experiment ``exp`` under ``root`` (`run_each`), writing the results to
-    ``results_dir`` after every run (`write_results`); returns the final markdown."""
-    start, runs, text = time.perf_counter(), {}, ""
-    for name, run in run_each(exp, root):
-        runs[name] = run
-        text = write_results(exp, runs, results_dir, time.perf_counter() - start)
-    return text
-
-
-def main() -> None:
-    """``python -m experiments.claims --config=experiments/claims_config.py:NAME --workdir=DIR``."""
-    config = cli.config_flag("experiments/claims_config.py:synthetic", "Experiment config.")
-    workdir = cli.workdir_flag("Directory of the runs (one subdirectory per run).")
-    results = flags.DEFINE_string("results", "experiments/results", "Where tables and plots go.")
-    cli.run(lambda: print(claims(config.value, workdir.value, results.value)))
-
-
-if __name__ == "__main__":
-    main()
+        "per forward)", cell)
