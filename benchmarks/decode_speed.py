@@ -421,11 +421,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
 
 def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
     """decode_speed.md (``header`` then the table), .jsonl (one row a line) and .png (`plot`)."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "decode_speed.md"), "w") as f:
-        f.write(header + markdown(rows))
-    with open(os.path.join(output_dir, "decode_speed.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    decode_step.write_results(output_dir, "decode_speed", rows, header + markdown(rows))
     plot(rows, os.path.join(output_dir, "decode_speed.png"))
 
 

@@ -205,13 +205,19 @@ def markdown(rows: Sequence[dict], header: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(output_dir: str, name: str, rows: Sequence[dict], text: str) -> None:
+    """``output_dir``/NAME.md (``text``) and NAME.jsonl (one row a line); the directory is made
+    if missing. Every benchmark's results are written this way."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(output_dir, f"{name}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
     """decode_step.md (``header`` then the table) and decode_step.jsonl under ``output_dir``."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "decode_step.md"), "w") as f:
-        f.write(header + markdown(rows))
-    with open(os.path.join(output_dir, "decode_step.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_results(output_dir, "decode_step", rows, header + markdown(rows))
 
 
 def device_line() -> str:

@@ -218,12 +218,10 @@ def main() -> None:
         text = markdown(rows, fixed_acceptance(rows))
         print(text)
         if output_dir.value:
-            os.makedirs(output_dir.value, exist_ok=True)
-            with open(os.path.join(output_dir.value, "decode_tpu_estimate.md"), "w") as f:
-                f.write(f"libtpu's estimate (jax {jax.__version__}), prompts of "
-                        f"{prompt_len.value} tokens, {max_new.value} new.\n\n" + text)
-            with open(os.path.join(output_dir.value, "decode_tpu_estimate.jsonl"), "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+            decode_step.write_results(
+                output_dir.value, "decode_tpu_estimate", rows,
+                f"libtpu's estimate (jax {jax.__version__}), prompts of {prompt_len.value} "
+                f"tokens, {max_new.value} new.\n\n" + text)
 
     cli.run(run)
 
