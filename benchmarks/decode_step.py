@@ -221,6 +221,7 @@ def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
 
 
 def device_line() -> str:
+    """'JAX <version> on <device kind> (<platform>) x <devices>', the tables' header."""
     d = jax.devices()[0]
     return f"JAX {jax.__version__} on {d.device_kind} ({d.platform}) x {jax.device_count()}"
 
@@ -285,6 +286,7 @@ def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: in
 
 
 def parts_markdown(rows: Sequence[dict]) -> str:
+    """`parts`' rows as a markdown table; "x AR" is each row's summed ms over the first's."""
     lines = ["| shape | dtype | batch | query slots | projected | layers ms | projection ms | "
              "choice ms | total ms | x AR |", "|---" * 10 + "|"]
     ar = rows[0]["layers_ms"] + rows[0]["projection_ms"] + rows[0]["choice_ms"]

@@ -49,6 +49,7 @@ from typing import Sequence  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import flags  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks import decode_hlo, decode_step, roofline  # noqa: E402
@@ -79,8 +80,6 @@ def compile_program(graphdef, params, *, program: str, block_size: int, rows: in
     cache_sharding = NamedSharding(mesh, sharding.logical_spec(CACHE_AXES, rules))
 
     def prefilled(params):
-        from flax import nnx
-
         with decoder._on_mesh():
             return decoder._prefill(
                 nnx.merge(graphdef, params), jnp.zeros((rows, prompt_len), jnp.int32),

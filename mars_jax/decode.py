@@ -402,6 +402,7 @@ class Decoder:
 
     @property
     def acceptance(self) -> AcceptanceRule:
+        """The `AcceptanceRule` named by ``settings.rule``."""
         return ACCEPTANCE_RULES[self.settings.rule]
 
     @contextlib.contextmanager
