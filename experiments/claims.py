@@ -16,8 +16,9 @@ Each run has its own directory under ``--workdir`` and is resumable: a rerun of 
 skips finished training (`mars_jax.train` resumes or returns) and finished evaluations (a run's
 ``eval.json`` of its final step with the configured thresholds). The tables (markdown), the
 reports (JSON, with the device and the measured times) and the Pareto plot (PNG: tokens per
-forward vs accuracy, one line per run) go to ``--results`` as ``<name>.md/.json/.png``,
-rewritten after every run.
+forward vs accuracy, one line per run) go to ``--results`` (default ``<workdir>/results``) as
+``<name>.md/.json/.png``, rewritten after every run. The tracked ``experiments/results/`` holds
+committed results: a run updates it only when asked with ``--results=experiments/results``.
 
 Claims: (a) one-token mode: MARS at threshold 1.0 vs the AR control, accuracy and held-out AR
 NLL; (b) the speed/quality curve over thresholds: tokens per forward, accuracy, agreement with
@@ -200,3 +201,64 @@ def _wall_clock(exp, runs: dict) -> list[str]:
         "**(b) Wall clock** (speedup over the AR control's "
         f"{ar['tokens_per_s']:.1f} tokens/s at threshold 1.0 / conversion = speedup / tokens "
         "per forward)", cell)
+
+
+def results_dir(workdir: str, results: str = "") -> str:
+    """Where an invocation writes its tables, JSON and plot: ``results`` if given, else
+    ``<workdir>/results``. The tracked ``experiments/results/`` holds committed results only; a
+    run writes there only when asked with ``--results=experiments/results``."""
+    return results or os.path.join(workdir, "results")
+
+
+def write_results(exp, runs: dict, results_dir: str, seconds: float) -> str:
+    """Writes ``<name>.md`` (tables, device, times), ``<name>.json`` and ``<name>.png`` (Pareto
+    plot of the MARS runs) into ``results_dir``; returns the markdown."""
+    os.makedirs(results_dir, exist_ok=True)
+    device = f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind}) x {jax.device_count()}"
+    train_s = sum(r["train_s"] for r in runs.values())
+    eval_s = sum(r["eval_s"] for r in runs.values())
+    text = (
+        f"### {exp.name}: {exp.description}\n\n"
+        f"Device: {device}. This invocation: {seconds / 60:.1f} min ({train_s / 60:.1f} training, "
+        f"{eval_s / 60:.1f} evaluating; work already done by an earlier invocation counts 0).\n\n"
+        + tables(exp, runs)
+        + "\n"
+    )
+    base = os.path.join(results_dir, exp.name)
+    with open(base + ".md", "w") as f:
+        f.write(text)
+    with open(base + ".json", "w") as f:
+        json.dump({"device": device, "seconds": seconds, "runs": runs}, f, indent=2)
+    mars = {n: r["report"]["results"] for n, r in runs.items() if n.startswith("mars")}
+    if mars:
+        plots.pareto_plot(mars, base + ".png", title=f"{exp.name}: tokens per forward vs accuracy")
+    return text
+
+
+def claims(exp, root: str, results: str = "") -> str:
+    """Runs experiment ``exp`` under ``root`` (`run_each`), writing the results to
+    `results_dir` (``results``, default ``<root>/results``) after every run (`write_results`);
+    returns the final markdown."""
+    out = results_dir(root, results)
+    start, runs, text = time.perf_counter(), {}, ""
+    for name, run in run_each(exp, root):
+        runs[name] = run
+        text = write_results(exp, runs, out, time.perf_counter() - start)
+    return text
+
+
+def main() -> None:
+    """``python -m experiments.claims --config=experiments/claims_config.py:NAME --workdir=DIR
+    [--results=DIR]``."""
+    config = cli.config_flag("experiments/claims_config.py:synthetic", "Experiment config.")
+    workdir = cli.workdir_flag("Directory of the runs (one subdirectory per run).")
+    results = flags.DEFINE_string(
+        "results", "",
+        "Where the tables, JSON report and plot go; default WORKDIR/results. The tracked "
+        "experiments/results/ keeps committed results: pass it explicitly to update them.",
+    )
+    cli.run(lambda: print(claims(config.value, workdir.value, results.value)))
+
+
+if __name__ == "__main__":
+    main()
