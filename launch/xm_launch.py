@@ -29,8 +29,8 @@ code an ``xm.python_container`` and each job an ``xm.Job`` on the ``xm_local.Ver
 Its Vertex backend (xmanager 0.8.5) picks a machine type only for A100 (a2), L4 (g2) and the
 n1-attached GPUs (T4, V100), maps TPU v2/v3 only, and needs a replica count of 1 for the first
 job of a work unit. So real launches here are single-host jobs on those GPUs; other specs are
-refused before anything is built, TPU pods with a pointer to ``launch/tpu_vm.sh`` (see the
-README section "Running on a TPU pod / GPU cluster").
+refused before anything is built, TPU pods with a pointer to ``launch/tpu_vm.sh`` (see
+docs/training-at-scale.md, "Running on a TPU pod / GPU cluster").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The documentation holds together: every relative link and #anchor in README.md and docs/*.md
-resolves (GitHub's anchor rules), every docs page is linked from the README, the README stays a
+"""The documentation holds together: every relative link and #anchor in README.md, docs/*.md and
+launch/README.md resolves (GitHub's anchor rules), every docs page is linked from the README, the README stays a
 front door (at most 230 lines), and the README's module map names only modules of mars_jax/.
 Fast: reads files only."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *DOCS, ROOT / "launch" / "README.md"]
 MAX_README_LINES = 230
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -88,7 +89,7 @@ def test_relative_links_and_anchors_resolve(page):
 
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md")}
-    assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []
+    assert [p.name for p in DOCS if p.resolve() not in linked] == []
 
 
 def test_the_readme_is_a_front_door():
