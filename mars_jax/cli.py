@@ -8,12 +8,11 @@ Every program's ``--help`` (and ``--helpshort``, ``--helpfull``) prints its usag
 exits 0. A program with ``--config`` also has ``--show_config``, which prints the config's keys
 and values after the overrides and exits 0 without running.
 
-Errors (`run`): a config file that does not load, a bad setting, a FileNotFoundError or
-FileExistsError (it names a path the user gave), and a ValueError raised by mars-jax's own code
-(a message written for the user about their input: a file, a row, a key, a flag) print one line
-``error: MESSAGE`` and exit 1.
-Anything else, a ValueError from a library (jax, numpy, Orbax, ...) included, keeps its
-traceback: it points at a bug.
+Errors (`run`): a config file that does not load, an `errors.UserError` (a bad setting, flag
+or argument, a malformed file, row or field, a missing run: a message written for the user about
+their input) and a FileNotFoundError or FileExistsError (it names a path the user gave) print one
+line ``error: MESSAGE`` and exit 1. Anything else, a ValueError from a library (jax, numpy,
+Orbax, ...) included, keeps its traceback: it points at a bug.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as _config_flags_impl
 
 from mars_jax import settings
+from mars_jax.errors import UserError
 
 
 def config_flag(default: str = "configs/tiny.py", help: str = "Run config file.") -> flags.FlagHolder:
@@ -53,8 +53,6 @@ _config_default = None  # the default of the --config flag, once defined
 _show_config = None  # the --show_config flag, defined with --config
 _required = []  # flags that must be given unless --show_config is
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
-_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def config_lines(cfg, prefix: str = "") -> list[str]:
@@ -138,7 +136,7 @@ def run(main: Callable[[], None]) -> None:
         quiet_library_logs()
         try:
             main()
-        except _USER_ERRORS as e:  # settings.SettingError and MissingPath among them
+        except Exception as e:  # re-raised unless it is the user's
             if not is_user_error(e):
                 raise
             raise SystemExit(f"error: {e}") from None
@@ -151,17 +149,11 @@ def run(main: Callable[[], None]) -> None:
 
 
 def is_user_error(e: BaseException) -> bool:
-    """Whether ``e`` is one of the errors that `run` prints as one line: a FileNotFoundError or
-    FileExistsError, or a raised ValueError whose innermost traceback frame is in this package
-    (mars-jax's own ``raise``), not in a library."""
-    if isinstance(e, (FileNotFoundError, FileExistsError)):
-        return True
-    if not isinstance(e, ValueError) or e.__traceback__ is None:
-        return False
-    tb = e.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
+    """Whether ``e`` is one of the errors that `run` prints as one line: an `errors.UserError`
+    (mars-jax's errors about the user's input), or a FileNotFoundError or FileExistsError (a
+    path the user gave, e.g. a file that ``open`` did not find). Decided by the exception's
+    class alone, never by where it was raised."""
+    return isinstance(e, (UserError, FileNotFoundError, FileExistsError))
 
 
 @contextlib.contextmanager

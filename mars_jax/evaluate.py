@@ -43,6 +43,7 @@ import numpy as np
 from absl import logging
 
 from mars_jax import cli, data, decode, plots, settings, vocab, workdir as wd
+from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.objectives import ar_loss
 
 # Wall-clock measurements, in a result row or at the top of a report: they differ between two
@@ -167,7 +168,7 @@ def accuracy(completions: list[str], references: list[str]) -> float:
     same index (`answers_match`); 0.0 for no completions. Raises ValueError for lists of
     different lengths."""
     if len(completions) != len(references):
-        raise ValueError(f"{len(completions)} completions for {len(references)} references")
+        raise InputError(f"{len(completions)} completions for {len(references)} references")
     correct = [answers_match(c, r) for c, r in zip(completions, references)]
     return float(np.mean(correct)) if correct else 0.0
 
@@ -220,7 +221,7 @@ def write_report(workdir: str, report: dict) -> str:
         except FileExistsError:
             continue
     else:
-        raise FileExistsError(f"{directory}: too many evaluations named {stem}_*.json")
+        raise AlreadyExists(f"{directory}: too many evaluations named {stem}_*.json")
     with open(os.path.join(workdir, "eval.json"), "w") as f:
         f.write(text)
     plot = os.path.splitext(path)[0] + ".png"
@@ -269,7 +270,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
-        raise ValueError(
+        raise InputError(
             f"no evaluation examples in {source} read as {fmt!r} rows "
             "(set data.eval_format to the file's row format)"
         )
@@ -279,7 +280,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         try:
             prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
         except ValueError as e:  # e.g. a token outside a trimmed run's vocabulary
-            raise ValueError(f"{source}: evaluation example {i}: {e}") from None
+            raise InputError(f"{source}: evaluation example {i}: {e}") from None
     references = [answer for _, answer in examples]
 
     def run(threshold, block_size=block_size):

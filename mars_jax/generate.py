@@ -27,6 +27,7 @@ import numpy as np
 from absl import flags
 
 from mars_jax import cli, data, decode, vocab, workdir as wd
+from mars_jax.errors import InputError
 from mars_jax.tokenizer import Tokenizer
 
 
@@ -136,13 +137,13 @@ def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
     for i, row in enumerate(data.read_rows(path), start=1):
         prompt, threshold = row.get("prompt"), row.get("threshold")
         if not isinstance(prompt, str):
-            raise ValueError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")
+            raise InputError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")
         if threshold is not None and (
             isinstance(threshold, bool) or not isinstance(threshold, (int, float))
         ):
-            raise ValueError(f"{path}: row {i}: 'threshold' must be a number, got {threshold!r}")
+            raise InputError(f"{path}: row {i}: 'threshold' must be a number, got {threshold!r}")
         if threshold is not None and not 0 < threshold <= 1:
-            raise ValueError(f"{path}: row {i}: 'threshold' must lie in (0, 1], got {threshold!r}")
+            raise InputError(f"{path}: row {i}: 'threshold' must lie in (0, 1], got {threshold!r}")
         prompts.append(prompt)
         thresholds.append(threshold)
     return prompts, thresholds
@@ -172,7 +173,7 @@ def main() -> None:
             more, more_thresholds = read_prompts(prompts_file.value)
             prompts, thresholds = prompts + more, thresholds + more_thresholds
         if not prompts:
-            raise ValueError("give at least one --prompt or a --prompts_file")
+            raise InputError("give at least one --prompt or a --prompts_file")
         tagged = len(prompts) > 1
 
         def write(row: int, text: str) -> None:

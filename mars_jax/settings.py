@@ -15,24 +15,9 @@ import os
 from typing import Iterable
 
 from mars_jax import sharding
+from mars_jax.errors import MissingPath, SettingError  # re-exported
 
 SOURCES = ("synthetic", "gsm8k", "messages")  # data.SYNTHETIC and the row formats
-
-
-class SettingError(ValueError):
-    """A bad config value: ``key=value: reason`` on one line."""
-
-    def __init__(self, key: str, value, reason: str):
-        super().__init__(f"{key}={value!r}: {reason}")
-        self.key, self.value = key, value
-
-
-class MissingPath(FileNotFoundError):
-    """A path a run needs does not exist: ``key=path: reason`` on one line."""
-
-    def __init__(self, key: str, value, reason: str):
-        super().__init__(f"{key}={value!r}: {reason}")
-        self.key, self.value = key, value
 
 
 def flat_keys(cfg, prefix: str = "") -> list[str]:

@@ -41,6 +41,7 @@ from mars_jax import (
     cli, data, distributed, huggingface, objectives, settings, sharding, train_step, vocab,
     workdir as wd,
 )
+from mars_jax.errors import NotFound
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import check_config
@@ -58,7 +59,7 @@ def model_config(cfg) -> ModelConfig:
     Raises FileNotFoundError when ``init_from`` is not a directory.
     """
     if cfg.init_from and not os.path.isdir(cfg.init_from):
-        raise FileNotFoundError(f"init_from={cfg.init_from!r} is not a directory")
+        raise NotFound(f"init_from={cfg.init_from!r} is not a directory")
     execution = {k: cfg.model[k] for k in _EXECUTION_KEYS}
     if cfg.init_from and wd.is_workdir(cfg.init_from):
         return wd.read_model_config(cfg.init_from, **execution)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mars_jax import data, sharding
+from mars_jax.errors import InputError
 from mars_jax.objectives import NOISY_WEIGHT, check_config, loss_denominator, loss_fn
 
 
@@ -189,7 +190,7 @@ def build_train_step(
     """
     t = cfg.train
     if t.batch_size % t.grad_accum_steps:
-        raise ValueError(
+        raise InputError(
             f"train.batch_size {t.batch_size} is not divisible by "
             f"train.grad_accum_steps {t.grad_accum_steps}"
         )
