@@ -28,7 +28,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as _config_flags_impl
 
-from mars_jax import settings
+from mars_jax import config as config_lib
 from mars_jax.errors import UserError
 
 
@@ -82,7 +82,7 @@ def _unknown_override_exits():
 
 def _unknown_override(argv: list[str], default: str) -> str | None:
     """For the first ``--config.<key>`` override in ``argv`` whose key the config file lacks:
-    `settings.unknown_key_message`; None when every override names a key."""
+    `config.unknown_key_message`; None when every override names a key."""
     path, overrides = default, []
     for arg in argv:
         name = arg.lstrip("-").split("=", 1)[0]
@@ -95,8 +95,8 @@ def _unknown_override(argv: list[str], default: str) -> str | None:
     except Exception:  # noqa: BLE001 - the original error is re-raised instead
         return None
     for key in overrides:
-        if (bad := settings.unknown_key(cfg, key)) is not None:
-            return f"--config.{key}: " + settings.unknown_key_message(cfg, bad)
+        if (bad := config_lib.unknown_key(cfg, key)) is not None:
+            return f"--config.{key}: " + config_lib.unknown_key_message(cfg, bad)
     return None
 
 

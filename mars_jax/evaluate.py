@@ -36,13 +36,12 @@ import os
 import re
 import shutil
 import time
-import types
 
 import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, data, decode, plots, settings, vocab, workdir as wd
+from mars_jax import cli, config, data, decode, plots, vocab, workdir as wd
 from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.objectives import ar_loss
 
@@ -182,7 +181,7 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
     tokenized, _ = data.build_examples(
         rows, tok, "messages", max_length=max_length, block_size=1, source_name="eval"
     )
-    obj = types.SimpleNamespace(max_label_tokens=None, normalization="token", ce_chunk_size=0)
+    obj = config.ObjectiveConfig(name="ar", normalization="token", max_label_tokens=None)
     loss = jax.jit(lambda m, b: ar_loss(m, b, obj)[1])
     total, count = 0.0, 0
     ds = data.batched_dataset(
@@ -259,13 +258,13 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     (seconds: the fastest of ``eval.timing_repeats`` decodes of all the prompts; tokens/s:
     generated tokens, EOS included, per second; see the module docstring).
     Raises FileNotFoundError for a workdir without checkpoints, ValueError when the evaluation
-    source yields no examples; first `settings.SettingError` / `settings.MissingPath` for a bad
-    setting (`settings.check`, eval.thresholds outside (0, 1] among them), before anything is
-    loaded.
+    source yields no examples; first `errors.SettingError` / `errors.MissingPath` for a bad
+    setting (`config.validate`: eval.thresholds outside (0, 1], an unknown eval.rule or
+    eval.cache_mode among them), before anything is loaded.
     """
-    settings.check(cfg, training=False)
+    config.validate(cfg, training=False)
     e = cfg.eval
-    thresholds = [float(t) for t in e.thresholds]  # checked by settings.check
+    thresholds = [float(t) for t in e.thresholds]  # checked by config.validate
     model, tok, step = wd.load_model(workdir, step=step)
     source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
