@@ -501,3 +501,50 @@ def objective_config(cfg, mask_id: int, examples) -> ObjectiveConfig:
         longest = max(int((e.labels != IGNORE_INDEX).sum()) for e in examples)
         obj = dataclasses.replace(obj, max_label_tokens=-(-longest // 8) * 8)
     return obj
+
+
+# --- decoding arguments -------------------------------------------------------------------
+
+
+def check_decoding(
+    *,
+    threshold=None,
+    block_size: int | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    cache_mode: str | None = None,
+    rule: str | None = None,
+    prefix: str = "",
+) -> None:
+    """Checks the decoding settings a program takes as flags or arguments rather than from a run
+    config (``generate``, the lm-eval adapter), before a run is loaded: ``threshold`` (one value
+    or one per prompt) in (0, 1], ``block_size`` >= 1, ``max_new_tokens`` >= 0, ``temperature``
+    >= 0, ``cache_mode`` and ``rule`` among the decoder's, and ``verify`` only greedy and without
+    the block cache. None skips a setting. Raises `errors.InputError` whose message starts with
+    ``prefix`` and names the argument (``threshold must lie in (0, 1], got 2.0``)."""
+    from mars_jax.errors import InputError
+
+    if threshold is not None:
+        try:  # one value (a number, or a string of one), or one per prompt (a list, an array)
+            values = [threshold] if isinstance(threshold, str) else list(threshold)
+        except TypeError:
+            values = [threshold]
+        for t in values:
+            if isinstance(t, bool) or not 0.0 < float(t) <= 1.0:  # NaN fails too
+                raise InputError(f"{prefix}threshold must lie in (0, 1], got {t!r}")
+    if block_size is not None and int(block_size) < 1:
+        raise InputError(f"{prefix}block_size must be >= 1, got {block_size!r}")
+    if max_new_tokens is not None and max_new_tokens < 0:
+        raise InputError(f"{prefix}max_new_tokens must be >= 0, got {max_new_tokens!r}")
+    if temperature is not None and not temperature >= 0:
+        raise InputError(f"{prefix}temperature must be >= 0, got {temperature!r}")
+    if cache_mode is not None and cache_mode not in CACHE_MODES:
+        raise InputError(f"{prefix}cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+    if rule is not None and rule not in RULES:
+        raise InputError(f"{prefix}rule must be one of {RULES}, got {rule!r}")
+    if rule == "verify" and ((temperature or 0) > 0 or cache_mode == "block"):
+        raise InputError(
+            f"{prefix}rule='verify' reproduces greedy AR decoding: it needs temperature 0 and "
+            f"cache_mode 'sliding' or 'none' (got temperature={temperature}, cache_mode "
+            f"{cache_mode!r})"
+        )

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, data, decode, vocab, workdir as wd
+from mars_jax import cli, config, data, decode, vocab, workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.tokenizer import Tokenizer
 
@@ -79,10 +79,14 @@ def complete(
     ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's;
     ``system`` is an optional system message; ``stream(row, text)``, if given, receives each
     row's text as it is committed (see `TextStream`); the other arguments are as in
-    `decode.generate`. Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
+    `decode.generate` and are checked (`config.check_decoding`) before the run is loaded.
+    Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
     EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}. Raises FileNotFoundError for a
     directory that is not a run with a checkpoint, ValueError as `decode.generate`.
     """
+    config.check_decoding(threshold=threshold, block_size=block_size,
+                          max_new_tokens=max_new_tokens, temperature=temperature,
+                          cache_mode=cache_mode, rule=rule)
     model, tok, _ = wd.load_model(workdir, step=step)
     eos_ids = vocab.model_ids(tok, decode.DEFAULT_EOS_IDS)
     system_turn = [{"role": "system", "content": system}] if system else []

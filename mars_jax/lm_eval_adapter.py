@@ -32,7 +32,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import chunks, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mars_jax import decode, vocab, workdir as wd
+from mars_jax import config, decode, vocab, workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
 
@@ -88,16 +88,8 @@ lm_eval's results (`get_model_info`).
         super().__init__()
         # Checked before the model is loaded: decode.generate would refuse them only at the
         # first generate_until request, after lm_eval's task setup and any loglikelihood tasks.
-        if not 0.0 < float(threshold) <= 1.0:
-            raise InputError(f"mars_jax: threshold must lie in (0, 1], got {threshold!r}")
-        if cache_mode not in decode.CACHE_MODES:
-            raise InputError(
-                f"mars_jax: cache_mode must be one of {decode.CACHE_MODES}, got {cache_mode!r}"
-            )
-        if rule not in decode.RULES:
-            raise InputError(f"mars_jax: rule must be one of {decode.RULES}, got {rule!r}")
-        if block_size is not None and int(block_size) < 1:
-            raise InputError(f"mars_jax: block_size must be >= 1, got {block_size!r}")
+        config.check_decoding(threshold=threshold, block_size=block_size, cache_mode=cache_mode,
+                              rule=rule, prefix="mars_jax: ")
         try:
             self.batch_size = int(batch_size or 1)
         except ValueError:

@@ -176,6 +176,20 @@ def test_objective_config_is_typed_and_frozen():
         config.ObjectiveConfig(normalization="batch")
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"threshold": 2.0}, r"^threshold must lie in \(0, 1\], got 2.0"),
+    ({"threshold": [0.5, 0.0]}, r"^threshold must lie in \(0, 1\], got 0.0"),
+    ({"rule": "verify", "temperature": 1.0}, r"^rule='verify' reproduces greedy AR decoding"),
+    ({"cache_mode": "slidng"}, r"^cache_mode must be one of"),
+    ({"block_size": 0}, r"^block_size must be >= 1, got 0"),
+])
+def test_generate_refuses_decoding_arguments_before_loading(kwargs, match, tmp_path):
+    from mars_jax import generate
+
+    with pytest.raises(errors.InputError, match=match):
+        generate.complete(str(tmp_path / "no_run"), ["hi"], **kwargs)
+
+
 def _env(**extra):
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), **extra}
     return {k: v for k, v in env.items() if v is not None}
