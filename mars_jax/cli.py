@@ -36,9 +36,12 @@ def config_flag(default: str = "configs/tiny.py", help: str = "Run config file."
     """Defines ``--config`` (an ml_collections config file, ``path[:stage]``, with
     ``--config.<key>=<value>`` overrides) and ``--show_config`` (see `run`). An override of an
     unknown key exits with one line naming the key and the nearest valid one (ml_collections
-    parses overrides here)."""
+    parses overrides here). The config file's repository root goes first on ``sys.path``
+    (`config_imports_resolve`), so configs/gsm8k.py's ``from configs import synthetic`` loads
+    from any working directory."""
     global _config_default, _show_config
     _config_default = default
+    config_imports_resolve(_config_path(sys.argv[1:], default))
     _show_config = flags.DEFINE_bool(
         "show_config",
         False,
@@ -53,6 +56,40 @@ _config_default = None  # the default of the --config flag, once defined
 _show_config = None  # the --show_config flag, defined with --config
 _required = []  # flags that must be given unless --show_config is
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
+
+
+def _config_path(argv: list[str], default: str) -> str:
+    """The file of the ``--config`` flag in ``argv`` (``--config=F[:stage]`` or ``--config F``),
+    else ``default``'s; the ``:stage`` suffix dropped."""
+    path = default
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg.startswith(("--config=", "-config=")):
+            path = arg.split("=", 1)[1]
+        elif arg in ("--config", "-config") and i + 1 < len(argv):
+            path = argv[i + 1]
+    return path.split(":", 1)[0]
+
+
+def config_imports_resolve(path: str) -> str | None:
+    """Puts the repository root of config file ``path`` on ``sys.path`` (first), so that the
+    file's imports of its sibling configs (``from configs import tiny``) resolve from any working
+    directory, as they do from the root. The root is the directory above the outermost package
+    (a directory with ``__init__.py``) that holds the file: for ``REPO/configs/gsm8k.py``,
+    ``REPO``. Returns the directory put on the path; None for a file outside a package or a
+    path that is not a file."""
+    if not os.path.isfile(path):
+        return None
+    package = os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(package, "__init__.py")):
+        return None
+    while os.path.isfile(os.path.join(os.path.dirname(package), "__init__.py")):
+        package = os.path.dirname(package)
+    root = os.path.dirname(package)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return root
 
 
 def config_lines(cfg, prefix: str = "") -> list[str]:

@@ -1,6 +1,6 @@
 """The config schema in the package and its one check (issue 17): mars_jax.config.defaults is the
 full schema, every shipped config validates, a bad setting is refused by `config.validate` before
-anything is loaded."""
+anything is loaded, configs resolve from any working directory."""
 
 import dataclasses
 import importlib
@@ -193,3 +193,33 @@ def test_generate_refuses_decoding_arguments_before_loading(kwargs, match, tmp_p
 def _env(**extra):
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), **extra}
     return {k: v for k, v in env.items() if v is not None}
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "synthetic", "qwen0_5b", "qwen7b"])
+def test_a_config_importing_configs_loads_from_another_directory(name, tmp_path):
+    """configs/gsm8k.py imports `configs.synthetic`; run from elsewhere, with only the package
+    importable, its repository root is put on sys.path (cli.config_imports_resolve)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "mars_jax").symlink_to(ROOT / "mars_jax")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mars_jax.train", f"--config={ROOT}/configs/{name}.py:mars",
+         "--show_config"],
+        cwd=tmp_path, env=_env(PYTHONPATH=str(tmp_path / "site"), JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "objective.name = 'mars'" in proc.stdout.splitlines()
+    expected = importlib.import_module(f"configs.{name}").get_config("mars")
+    assert f"train.batch_size = {expected.train.batch_size!r}" in proc.stdout.splitlines()
+
+
+def test_config_imports_resolve_only_for_a_package(tmp_path):
+    from mars_jax import cli
+
+    loose = tmp_path / "mine.py"
+    loose.write_text("def get_config():\n    return None\n")
+    assert cli.config_imports_resolve(str(loose)) is None
+    assert cli.config_imports_resolve(str(tmp_path / "missing.py")) is None
+    assert cli.config_imports_resolve(str(ROOT / "configs" / "tiny.py")) == str(ROOT)
+    assert cli._config_path(["--config", "a/b.py:mars", "--x"], "d.py") == "a/b.py"
+    assert cli._config_path(["--config=c.py"], "d.py") == "c.py"
+    assert cli._config_path([], "d.py:ar") == "d.py"
