@@ -29,6 +29,7 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as _config_flags_impl
 
 from mars_jax import config as config_lib
+from mars_jax import platforms
 from mars_jax.errors import UserError
 
 
@@ -154,7 +155,8 @@ def run(main: Callable[[], None]) -> None:
     logs quieted (see `quiet_library_logs`). ``--help`` exits 0; ``--show_config`` prints the
     config (`config_lines`) instead of running. Extra positional arguments and a missing
     required flag are usage errors. The errors of the module docstring print one line and
-    exit 1 (`is_user_error`)."""
+    exit 1 (`is_user_error`). On a machine without an accelerator and with ``JAX_PLATFORMS``
+    unset, JAX stays on the CPU without trying libtpu (`platforms.cpu_unless_accelerator`)."""
 
     def absl_main(argv):
         if len(argv) > 1:
@@ -171,6 +173,7 @@ def run(main: Callable[[], None]) -> None:
             if holder.value is None:
                 raise app.UsageError(f"flag --{holder.name} is required")
         quiet_library_logs()
+        platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
         try:
             main()
         except Exception as e:  # re-raised unless it is the user's

@@ -223,8 +223,9 @@ def main() -> None:
     vocabulary) print ``error: ...`` and exit 1 here too; any other keeps its traceback."""
     from lm_eval.__main__ import cli_evaluate
 
-    from mars_jax import cli
+    from mars_jax import cli, platforms
 
+    platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
     try:
         cli_evaluate()
     except Exception as e:  # re-raised unless it is the user's

@@ -1,6 +1,7 @@
 """The config schema in the package and its one check (issue 17): mars_jax.config.defaults is the
 full schema, every shipped config validates, a bad setting is refused by `config.validate` before
-anything is loaded, configs resolve from any working directory."""
+anything is loaded, configs resolve from any working directory, and a machine without a TPU
+prints no libtpu errors."""
 
 import dataclasses
 import importlib
@@ -223,3 +224,25 @@ def test_config_imports_resolve_only_for_a_package(tmp_path):
     assert cli._config_path(["--config", "a/b.py:mars", "--x"], "d.py") == "a/b.py"
     assert cli._config_path(["--config=c.py"], "d.py") == "c.py"
     assert cli._config_path([], "d.py:ar") == "d.py"
+
+
+_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.mark.skipif(not _LIBTPU, reason="libtpu is not installed")
+def test_no_libtpu_errors_without_jax_platforms(tmp_path):
+    """With libtpu installed and JAX_PLATFORMS unset, a command that uses a device prints no
+    libtpu lines on a machine without an accelerator (platforms.cpu_unless_accelerator)."""
+    from mars_jax import platforms
+
+    if platforms.accelerator_attached():
+        pytest.skip("an accelerator is attached: JAX may use it")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mars_jax.train", f"--config={ROOT}/configs/tiny.py",
+         f"--workdir={tmp_path / 'run'}", "--config.data.num_synthetic_train=1"],
+        cwd=tmp_path, env=_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == "error: train.batch_size=16: 1 examples cannot fill a batch of 16", lines
+    for bad in ("TPU", "libtpu", "InitGoogle", "E0000", "Source Location Trace"):
+        assert not any(bad in line for line in lines), proc.stderr[-3000:]
