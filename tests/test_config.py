@@ -240,7 +240,8 @@ def test_no_libtpu_errors_without_jax_platforms(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mars_jax.train", f"--config={ROOT}/configs/tiny.py",
          f"--workdir={tmp_path / 'run'}", "--config.data.num_synthetic_train=1"],
-        cwd=tmp_path, env=_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300, check=False)
+        cwd=tmp_path, env=_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=300, check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == "error: train.batch_size=16: 1 examples cannot fill a batch of 16", lines
