@@ -8,9 +8,9 @@ trace) before JAX falls back to the CPU. ``TPU_SKIP_MDS_QUERY=1`` does not silen
 skips the cloud metadata server); ``JAX_PLATFORMS=cpu`` does.
 
 `cpu_unless_accelerator` sets ``JAX_PLATFORMS=cpu`` for such a machine: one where
-``JAX_PLATFORMS`` is not set and no accelerator is attached (no Google PCI device, as JAX's own
-TPU detection reads /sys/bus/pci, no NVIDIA device file, no AMD /dev/kfd). There JAX would end
-on the CPU anyway. `cli.run` calls it before a program's ``main``; a ``JAX_PLATFORMS`` that is
+``JAX_PLATFORMS`` is not set and no accelerator is attached (`accelerator_attached`: no Google
+PCI device, as JAX's own TPU detection reads /sys/bus/pci, no TPU device file or TPU variable,
+no NVIDIA device file, no AMD /dev/kfd). There JAX would end on the CPU anyway. `cli.run` calls it before a program's ``main``; a ``JAX_PLATFORMS`` that is
 set, even to "", always wins.
 """
 
@@ -21,10 +21,18 @@ import os
 import sys
 
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (jax._src.hardware_utils)
+# Set on TPU VMs and pods (and by users who point libtpu at a TPU by hand).
+_TPU_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID")
 
 
 def accelerator_attached() -> bool:
-    """Whether a TPU (any Google PCI device), an NVIDIA GPU or an AMD GPU is visible here."""
+    """Whether a TPU, an NVIDIA GPU or an AMD GPU may be attached here: any Google PCI device, a
+    TPU device file (/dev/accel*, /dev/vfio/N) or a TPU variable of a TPU VM or pod (so a
+    container that hides /sys/bus/pci still counts), an NVIDIA device file, AMD's /dev/kfd."""
+    if any(os.environ.get(name) for name in _TPU_VARIABLES):
+        return True
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
     for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             with open(vendor) as f:

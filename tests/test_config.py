@@ -247,3 +247,19 @@ def test_no_libtpu_errors_without_jax_platforms(tmp_path):
     assert lines[-1] == "error: train.batch_size=16: 1 examples cannot fill a batch of 16", lines
     for bad in ("TPU", "libtpu", "InitGoogle", "E0000", "Source Location Trace"):
         assert not any(bad in line for line in lines), proc.stderr[-3000:]
+
+
+def test_cpu_is_chosen_only_where_no_accelerator_can_be(monkeypatch):
+    from mars_jax import platforms
+
+    monkeypatch.setattr(platforms, "accelerator_attached", lambda: False)
+    monkeypatch.setenv("JAX_PLATFORMS", "")  # set, even empty: the user's choice wins
+    assert not platforms.cpu_unless_accelerator()
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(platforms, "accelerator_attached", lambda: True)
+    assert not platforms.cpu_unless_accelerator() and "JAX_PLATFORMS" not in os.environ
+    monkeypatch.setattr(platforms, "accelerator_attached", lambda: False)
+    assert platforms.cpu_unless_accelerator() and os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.undo()
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")  # a TPU VM's variable
+    assert platforms.accelerator_attached()
