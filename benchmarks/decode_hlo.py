@@ -77,6 +77,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
 from mars_jax import cli, decode, model as model_lib, sharding  # noqa: E402
+from mars_jax import config as config_lib  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Per-row writes: x [R, N, ...] with new [R, T, ...] at positions start[r] .. start[r] + T - 1.
@@ -638,6 +639,7 @@ def main() -> None:
         ]
         if bad:
             raise ValueError(f"unknown schemes {bad}: writes {list(WRITES)}, reads {list(READS)}")
+        config_lib.validate(config.value, training=False, paths=False)  # its model section
         cfg = model_lib.ModelConfig(**config.value.model)
         ws = [int(w) for w in windows.value]
         emit = (lambda r: print(json.dumps(r), flush=True)) if as_json.value else (

@@ -94,6 +94,7 @@ from absl import flags
 from flax import nnx
 
 from mars_jax import cli, data, decode, huggingface, vocab, workdir as wd
+from mars_jax import config as config_lib
 from benchmarks import decode_step
 from mars_jax.model import ModelConfig, Qwen2, init_cache
 from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
@@ -489,6 +490,8 @@ def main() -> None:
     def run():
         if accept.value:
             return run_steps()
+        # The trained run's eval data gives the prompts; its paths are checked where read.
+        config_lib.validate(config.value, training=False, paths=False)
         import torch
 
         names = ["trained", "qwen0_5b_shape"] if models.value == ["both"] else models.value

@@ -46,6 +46,7 @@ import numpy as np
 from absl import flags
 
 from mars_jax import cli, data, sharding, train, train_step
+from mars_jax import config as config_lib
 from mars_jax.model import ModelConfig
 from mars_jax.tokenizer import MASK_ID
 
@@ -188,6 +189,7 @@ def main() -> None:
     )
 
     def run():
+        config_lib.validate(config.value, training=True, paths=False)  # synthetic batches only
         rows = benchmark(
             config.value,
             steps=steps.value,

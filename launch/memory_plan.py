@@ -61,6 +61,7 @@ from absl import app, flags  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
 from mars_jax import cli, model, sharding, train_step  # noqa: E402
+from mars_jax import config as config_lib  # noqa: E402
 from mars_jax.tokenizer import MASK_ID  # noqa: E402
 
 GiB = 1 << 30
@@ -155,6 +156,7 @@ def plan_row(cfg, topology: str, devices: list[jax.Device]) -> dict:
     }
     start = time.perf_counter()
     try:
+        config_lib.validate(cfg, training=True, paths=False)  # this row's settings; no data read
         mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
         row["mesh"] = dict(mesh.shape)
         rules = sharding.logical_rules(m.rules)
@@ -252,6 +254,7 @@ def main() -> None:
 
     def run():
         cfg = config.value
+        config_lib.validate(cfg, training=True, paths=False)  # a plan reads no file of it
         remats = remat.value or [cfg.model.remat]
         attentions = attention.value or [cfg.model.attention]
         bad = [r for r in remats if r not in model.REMAT] + [

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mars_jax.errors import InputError
+
 IMPLEMENTATIONS = ("xla", "chunked", "splash", "cudnn")
 QUERY_CHUNK = 128  # queries per block of the "chunked" implementation
 
@@ -59,7 +61,7 @@ def attend(
         return _splash(q, k, v, mask, interpret=interpret)
     if implementation == "cudnn":
         return _dense(q, k, v, mask, fused="cudnn")
-    raise ValueError(
+    raise InputError(
         f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
     )
 
@@ -105,16 +107,16 @@ SPLASH_BLOCK = 128  # the kernel's default tiles: 128 queries x 128 keys
 def _static_mask(mask) -> np.ndarray:
     """The [T, S] numpy pattern of a splash mask, or ValueError."""
     if not isinstance(mask, np.ndarray):
-        raise ValueError(
+        raise InputError(
             "attention 'splash' needs a concrete numpy mask (the same for every row), got a "
             f"{type(mask).__name__}; use 'xla' or 'chunked' for traced masks"
         )
     if mask.ndim == 3 and mask.shape[0] == 1:
         mask = mask[0]
     if mask.ndim != 2:
-        raise ValueError(f"attention 'splash' needs a [T, S] mask, got shape {mask.shape}")
+        raise InputError(f"attention 'splash' needs a [T, S] mask, got shape {mask.shape}")
     if mask.shape[0] % SPLASH_BLOCK or mask.shape[1] % SPLASH_BLOCK:
-        raise ValueError(
+        raise InputError(
             f"attention 'splash' needs query and key lengths that are multiples of "
             f"{SPLASH_BLOCK}, got {mask.shape} (MARS trains on 2 x data.max_length positions)"
         )

@@ -8,12 +8,11 @@ Every program's ``--help`` (and ``--helpshort``, ``--helpfull``) prints its usag
 exits 0. A program with ``--config`` also has ``--show_config``, which prints the config's keys
 and values after the overrides and exits 0 without running.
 
-Errors (`run`): a config file that does not load, a bad setting, a FileNotFoundError or
-FileExistsError (it names a path the user gave), and a ValueError raised by mars-jax's own code
-(a message written for the user about their input: a file, a row, a key, a flag) print one line
-``error: MESSAGE`` and exit 1.
-Anything else, a ValueError from a library (jax, numpy, Orbax, ...) included, keeps its
-traceback: it points at a bug.
+Errors (`run`): a config file that does not load, an `errors.UserError` (a bad setting, flag
+or argument, a malformed file, row or field, a missing run: a message written for the user about
+their input) and a FileNotFoundError or FileExistsError (it names a path the user gave) print one
+line ``error: MESSAGE`` and exit 1. Anything else, a ValueError from a library (jax, numpy,
+Orbax, ...) included, keeps its traceback: it points at a bug.
 """
 
 from __future__ import annotations
@@ -29,16 +28,21 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as _config_flags_impl
 
-from mars_jax import settings
+from mars_jax import config as config_lib
+from mars_jax import platforms
+from mars_jax.errors import UserError
 
 
 def config_flag(default: str = "configs/tiny.py", help: str = "Run config file.") -> flags.FlagHolder:
     """Defines ``--config`` (an ml_collections config file, ``path[:stage]``, with
     ``--config.<key>=<value>`` overrides) and ``--show_config`` (see `run`). An override of an
     unknown key exits with one line naming the key and the nearest valid one (ml_collections
-    parses overrides here)."""
+    parses overrides here). The config file's repository root goes first on ``sys.path``
+    (`config_imports_resolve`), so configs/gsm8k.py's ``from configs import synthetic`` loads
+    from any working directory."""
     global _config_default, _show_config
     _config_default = default
+    config_imports_resolve(_config_path(sys.argv[1:], default))
     _show_config = flags.DEFINE_bool(
         "show_config",
         False,
@@ -53,8 +57,40 @@ _config_default = None  # the default of the --config flag, once defined
 _show_config = None  # the --show_config flag, defined with --config
 _required = []  # flags that must be given unless --show_config is
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
-_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _config_path(argv: list[str], default: str) -> str:
+    """The file of the ``--config`` flag in ``argv`` (``--config=F[:stage]`` or ``--config F``),
+    else ``default``'s; the ``:stage`` suffix dropped."""
+    path = default
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg.startswith(("--config=", "-config=")):
+            path = arg.split("=", 1)[1]
+        elif arg in ("--config", "-config") and i + 1 < len(argv):
+            path = argv[i + 1]
+    return path.split(":", 1)[0]
+
+
+def config_imports_resolve(path: str) -> str | None:
+    """Puts the repository root of config file ``path`` on ``sys.path`` (first), so that the
+    file's imports of its sibling configs (``from configs import tiny``) resolve from any working
+    directory, as they do from the root. The root is the directory above the outermost package
+    (a directory with ``__init__.py``) that holds the file: for ``REPO/configs/gsm8k.py``,
+    ``REPO``. Returns the directory put on the path; None for a file outside a package or a
+    path that is not a file."""
+    if not os.path.isfile(path):
+        return None
+    package = os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(package, "__init__.py")):
+        return None
+    while os.path.isfile(os.path.join(os.path.dirname(package), "__init__.py")):
+        package = os.path.dirname(package)
+    root = os.path.dirname(package)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return root
 
 
 def config_lines(cfg, prefix: str = "") -> list[str]:
@@ -84,7 +120,7 @@ def _unknown_override_exits():
 
 def _unknown_override(argv: list[str], default: str) -> str | None:
     """For the first ``--config.<key>`` override in ``argv`` whose key the config file lacks:
-    `settings.unknown_key_message`; None when every override names a key."""
+    `config.unknown_key_message`; None when every override names a key."""
     path, overrides = default, []
     for arg in argv:
         name = arg.lstrip("-").split("=", 1)[0]
@@ -97,8 +133,8 @@ def _unknown_override(argv: list[str], default: str) -> str | None:
     except Exception:  # noqa: BLE001 - the original error is re-raised instead
         return None
     for key in overrides:
-        if (bad := settings.unknown_key(cfg, key)) is not None:
-            return f"--config.{key}: " + settings.unknown_key_message(cfg, bad)
+        if (bad := config_lib.unknown_key(cfg, key)) is not None:
+            return f"--config.{key}: " + config_lib.unknown_key_message(cfg, bad)
     return None
 
 
@@ -119,7 +155,8 @@ def run(main: Callable[[], None]) -> None:
     logs quieted (see `quiet_library_logs`). ``--help`` exits 0; ``--show_config`` prints the
     config (`config_lines`) instead of running. Extra positional arguments and a missing
     required flag are usage errors. The errors of the module docstring print one line and
-    exit 1 (`is_user_error`)."""
+    exit 1 (`is_user_error`). On a machine without an accelerator and with ``JAX_PLATFORMS``
+    unset, JAX stays on the CPU without trying libtpu (`platforms.cpu_unless_accelerator`)."""
 
     def absl_main(argv):
         if len(argv) > 1:
@@ -136,9 +173,10 @@ def run(main: Callable[[], None]) -> None:
             if holder.value is None:
                 raise app.UsageError(f"flag --{holder.name} is required")
         quiet_library_logs()
+        platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
         try:
             main()
-        except _USER_ERRORS as e:  # settings.SettingError and MissingPath among them
+        except Exception as e:  # re-raised unless it is the user's
             if not is_user_error(e):
                 raise
             raise SystemExit(f"error: {e}") from None
@@ -151,17 +189,11 @@ def run(main: Callable[[], None]) -> None:
 
 
 def is_user_error(e: BaseException) -> bool:
-    """Whether ``e`` is one of the errors that `run` prints as one line: a FileNotFoundError or
-    FileExistsError, or a raised ValueError whose innermost traceback frame is in this package
-    (mars-jax's own ``raise``), not in a library."""
-    if isinstance(e, (FileNotFoundError, FileExistsError)):
-        return True
-    if not isinstance(e, ValueError) or e.__traceback__ is None:
-        return False
-    tb = e.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
+    """Whether ``e`` is one of the errors that `run` prints as one line: an `errors.UserError`
+    (mars-jax's errors about the user's input), or a FileNotFoundError or FileExistsError (a
+    path the user gave, e.g. a file that ``open`` did not find). Decided by the exception's
+    class alone, never by where it was raised."""
+    return isinstance(e, (UserError, FileNotFoundError, FileExistsError))
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from absl import logging
 
+from mars_jax.errors import InputError
 from mars_jax.synthetic import arithmetic_problems
 from mars_jax.tokenizer import CONTROL_TOKENS, ENDOFTEXT_ID, MASK_TOKEN
 
@@ -88,12 +89,12 @@ def _decode(path: Path, raw: bytes) -> str:
     body = raw[len(bom) :]
     if not bom and (offset := body.find(b"\0")) >= 0:
         line, column = _line_and_column(body[:offset].decode("utf-8", errors="replace"))
-        raise ValueError(f"{path}:{line}: {_nul_message(offset, column)}")
+        raise InputError(f"{path}:{line}: {_nul_message(offset, column)}")
     try:
         return body.decode(codec)
     except UnicodeDecodeError as e:
         line, column = _line_and_column(body[: e.start].decode(codec))
-        raise ValueError(
+        raise InputError(
             f"{path}:{line}: {_bad_bytes_message(name, len(bom) + e.start, column, e.reason, bom)}"
         ) from None
 
@@ -209,7 +210,7 @@ def _json_lines(
                 else "this file must be valid throughout (data.max_bad_fraction applies to "
                 "training files only)"
             )
-            raise ValueError(f"{shown[0][1]}; {summary}: {limit}")
+            raise InputError(f"{shown[0][1]}; {summary}: {limit}")
         logging.warning("%s: %s, skipped: %s", path, summary, "; ".join(m for _, m in shown))
     return rows, reasons
 
@@ -219,7 +220,7 @@ def _json_array(path: Path, text: str) -> list[dict]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:  # json counts only "\n" as a line break
-        raise ValueError(f"{path}:{_line_and_column(text[: e.pos])[0]}: invalid JSON: {e}") from e
+        raise InputError(f"{path}:{_line_and_column(text[: e.pos])[0]}: invalid JSON: {e}") from e
     for index, row in enumerate(rows):
         if not isinstance(row, dict):  # find the line of element `index` of the (valid) array
             decoder, pos = json.JSONDecoder(), text.index("[") + 1
@@ -227,7 +228,7 @@ def _json_array(path: Path, text: str) -> list[dict]:
                 start = _JSON_SPACE.match(text, pos).end()
                 _, pos = decoder.raw_decode(text, start)
                 pos = _JSON_SPACE.match(text, pos).end() + 1  # past the ","
-            raise ValueError(
+            raise InputError(
                 f"{path}:{_line_and_column(text[:start])[0]}: expected a JSON object, got "
                 f"{type(row).__name__} (array element {index})"
             )
@@ -274,7 +275,7 @@ def read_rows(
     if suffix == ".parquet":
         return pq.read_table(path).to_pylist()
     if suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: expected a .jsonl, .json or .parquet file")
+        raise InputError(f"{path}: expected a .jsonl, .json or .parquet file")
     raw = path.read_bytes()
     bom, codec, _ = _byte_order_mark(raw)
     body = raw[len(bom) :]
@@ -295,7 +296,7 @@ def load_rows(source: str, *, num_rows: int | None = None, seed: int = 0) -> lis
     `synthetic.arithmetic_problems(num_rows, seed)` (format `gsm8k`)."""
     if source == SYNTHETIC:
         if num_rows is None:
-            raise ValueError("the synthetic source needs num_rows")
+            raise InputError("the synthetic source needs num_rows")
         return arithmetic_problems(num_rows, seed)
     return read_rows(source)[:num_rows]
 
@@ -322,7 +323,7 @@ def rows_to_messages(row: dict, fmt: str) -> list[dict]:
             {"role": "user", "content": row["question"]},
             {"role": "assistant", "content": row["answer"]},
         ]
-    raise ValueError(f"unknown row format {fmt!r}; expected 'messages' or 'gsm8k'")
+    raise InputError(f"unknown row format {fmt!r}; expected 'messages' or 'gsm8k'")
 
 
 def row_tools(row: dict, fmt: str):
@@ -496,7 +497,7 @@ def _chat_segments(
         start = len(prompt)
         end = full.find(eos, start)
         if start < pos or not full.startswith(prompt) or end < 0:
-            raise ValueError(
+            raise InputError(
                 f"chat template renders assistant turn {k} in an unsupported way: "
                 "the generation prompt is not a prefix of the rendered conversation"
             )
@@ -538,7 +539,7 @@ def _assemble(
 
 def _check_lengths(max_length: int, block_size: int) -> None:
     if block_size <= 0 or max_length <= 0 or max_length % block_size:
-        raise ValueError(
+        raise InputError(
             f"max_length ({max_length}) must be a positive multiple of block_size ({block_size})"
         )
 
@@ -665,7 +666,7 @@ def build_examples(
         truncated += sum(map(len, pieces)) + bool(segments[0][1]) > max_length  # + BOS
         num_labels = int((example[1] != IGNORE_INDEX).sum())
         if max_label_tokens is not None and num_labels > max_label_tokens:
-            raise ValueError(
+            raise InputError(
                 f"{source_name}: row {index} has {num_labels} labelled tokens, more than "
                 f"max_label_tokens={max_label_tokens}"
             )
@@ -729,15 +730,15 @@ def batched_dataset(
         batch_size with drop_remainder, or rows not ascending within [0, batch_size).
     """
     if not examples or (drop_remainder and len(examples) < batch_size):
-        raise ValueError(f"{len(examples)} examples cannot fill a batch of {batch_size}")
+        raise InputError(f"{len(examples)} examples cannot fill a batch of {batch_size}")
     if (longest := max(len(e.input_ids) for e in examples)) > max_length:
-        raise ValueError(f"an example has {longest} tokens, more than max_length={max_length}")
+        raise InputError(f"an example has {longest} tokens, more than max_length={max_length}")
     ds = grain.MapDataset.source(examples)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     rows = range(batch_size) if rows is None else [int(r) for r in rows]
     if any(not 0 <= r < batch_size for r in rows) or list(rows) != sorted(set(rows)):
-        raise ValueError(f"rows {list(rows)} must be ascending and lie in [0, {batch_size})")
+        raise InputError(f"rows {list(rows)} must be ascending and lie in [0, {batch_size})")
 
     def collate(batch: list[Example]) -> dict:
         mine = [batch[r] for r in rows if r < len(batch)]

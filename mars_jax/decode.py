@@ -70,6 +70,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from mars_jax.errors import InputError
 from mars_jax.model import (
     KVCache,
     Qwen2,
@@ -139,7 +140,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, rows: int | None 
     lengths = np.ones((rows,), np.int32)
     for i, p in enumerate(prompts):
         if not len(p):
-            raise ValueError(f"prompt {i} is empty")
+            raise InputError(f"prompt {i} is empty")
         ids[i, : len(p)], lengths[i] = p, len(p)
     return ids, lengths
 
@@ -239,7 +240,7 @@ class Verify(Prob):
 
     def check(self, *, sampling, cache_mode):
         if sampling or cache_mode == "block":
-            raise ValueError(
+            raise InputError(
                 "rule='verify' reproduces greedy AR decoding: it needs temperature 0 and "
                 f"cache_mode 'sliding' or 'none' (got sampling={sampling}, cache_mode "
                 f"{cache_mode!r})"
@@ -586,7 +587,7 @@ class Decoder:
 
     def _branch(self, model, s: DecodeState, name: str) -> DecodeState:
         if name not in self.branches:
-            raise ValueError(f"branch {name!r}: this decoder's are {self.branches}")
+            raise InputError(f"branch {name!r}: this decoder's are {self.branches}")
         if name == "fill":
             return self._block_fill(model, s)
         if name == "commit":
@@ -802,16 +803,16 @@ def generate(
     prompt_ids = np.asarray(prompt_ids, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
     if prompt_ids.ndim != 2 or prompt_lengths.shape != prompt_ids.shape[:1]:
-        raise ValueError(
+        raise InputError(
             f"prompt_ids must be [R, P] and prompt_lengths [R]; got "
             f"{prompt_ids.shape} and {prompt_lengths.shape}"
         )
     rows = prompt_ids.shape[0]
     if rows == 0:
-        raise ValueError("no prompts: prompt_ids has no rows")
+        raise InputError("no prompts: prompt_ids has no rows")
     bad = np.flatnonzero((prompt_lengths < 1) | (prompt_lengths > prompt_ids.shape[1]))
     if bad.size:
-        raise ValueError(
+        raise InputError(
             f"prompt_lengths must lie in 1..{prompt_ids.shape[1]}; "
             + ", ".join(
                 f"row {r} has {prompt_lengths[r]}"
@@ -821,29 +822,29 @@ def generate(
             + (f" and {bad.size - 8} more" if bad.size > 8 else "")
         )
     if block_size < 1 or max_new_tokens < 0:
-        raise ValueError(
+        raise InputError(
             f"block_size ({block_size}) must be >= 1 and max_new_tokens ({max_new_tokens}) >= 0"
         )
     threshold = np.broadcast_to(np.asarray(threshold, np.float32), (rows,))
     if not np.all((threshold > 0) & (threshold <= 1)):
-        raise ValueError(f"threshold must lie in (0, 1], got {threshold.tolist()}")
+        raise InputError(f"threshold must lie in (0, 1], got {threshold.tolist()}")
     if cache_mode not in CACHE_MODES:
-        raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+        raise InputError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
     if rule not in ACCEPTANCE_RULES:
-        raise ValueError(f"rule must be one of {tuple(ACCEPTANCE_RULES)}, got {rule!r}")
+        raise InputError(f"rule must be one of {tuple(ACCEPTANCE_RULES)}, got {rule!r}")
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise InputError(f"temperature must be >= 0, got {temperature}")
     ACCEPTANCE_RULES[rule].check(sampling=temperature > 0, cache_mode=cache_mode)
     seeds = np.asarray(seed)
     if seeds.dtype.kind not in "iu" or seeds.shape not in ((), (rows,)):
-        raise ValueError(f"seed must be one integer or one per row ({rows}); got {seed!r}")
+        raise InputError(f"seed must be one integer or one per row ({rows}); got {seed!r}")
     if seeds.min() < 0 or seeds.max() >= 2**32:
-        raise ValueError(f"seeds must lie in 0..2**32-1; got {seed!r}")
+        raise InputError(f"seeds must lie in 0..2**32-1; got {seed!r}")
     seeds = np.broadcast_to(seeds, (rows,)).astype(np.uint32)
     if max_accept_per_step is not None and max_accept_per_step < 1:
-        raise ValueError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
+        raise InputError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
     if (mesh is None) != (rules is None):
-        raise ValueError("mesh and rules go together: pass both or neither")
+        raise InputError("mesh and rules go together: pass both or neither")
     if max_new_tokens == 0:  # nothing to decode: empty completions, nothing compiled or run
         zeros = np.zeros((rows,), np.int32)
         return DecodeOutput(np.zeros((rows, 0), np.int32), zeros, zeros.copy(), zeros.copy(), 0)
@@ -903,7 +904,7 @@ def generate_batched(
     if seeds.ndim == 0 and seeds.dtype.kind in "iu":
         seeds = int(seeds) + np.arange(len(prompts), dtype=np.int64)
     if seeds.shape != (len(prompts),):
-        raise ValueError(
+        raise InputError(
             f"seed must be one integer or one per prompt ({len(prompts)}); got {seed!r}"
         )
     seeds = np.pad(seeds, (0, len(ids) - len(prompts)))  # filler rows: seed 0

@@ -22,6 +22,8 @@ from absl import logging
 from jax._src import clusters
 from jax.sharding import Sharding
 
+from mars_jax.errors import InputError
+
 # Values of the config's distributed keys that mean "not set".
 _UNSET_ADDRESS, _UNSET_COUNT, _UNSET_ID = "", 0, -1
 
@@ -88,7 +90,7 @@ def _start(dist_cfg) -> bool:
     count, index = int(dist_cfg.num_processes), int(dist_cfg.process_id)
     if address != _UNSET_ADDRESS:
         if count < 1 or not 0 <= index < count:
-            raise ValueError(
+            raise InputError(
                 f"distributed.coordinator_address={address!r} needs distributed.num_processes "
                 f">= 1 and 0 <= distributed.process_id < num_processes, got num_processes="
                 f"{count} and process_id={index}"
@@ -96,7 +98,7 @@ def _start(dist_cfg) -> bool:
         jax.distributed.initialize(address, num_processes=count, process_id=index)
         return True
     if count != _UNSET_COUNT or index != _UNSET_ID:
-        raise ValueError(
+        raise InputError(
             f"distributed.num_processes={count} / distributed.process_id={index} are set but "
             "distributed.coordinator_address is not: set all three, or none of them to let the "
             "cluster environment decide"

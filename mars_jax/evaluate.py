@@ -36,13 +36,13 @@ import os
 import re
 import shutil
 import time
-import types
 
 import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, data, decode, plots, settings, vocab, workdir as wd
+from mars_jax import cli, config, data, decode, plots, vocab, workdir as wd
+from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.objectives import ar_loss
 
 # Wall-clock measurements, in a result row or at the top of a report: they differ between two
@@ -167,7 +167,7 @@ def accuracy(completions: list[str], references: list[str]) -> float:
     same index (`answers_match`); 0.0 for no completions. Raises ValueError for lists of
     different lengths."""
     if len(completions) != len(references):
-        raise ValueError(f"{len(completions)} completions for {len(references)} references")
+        raise InputError(f"{len(completions)} completions for {len(references)} references")
     correct = [answers_match(c, r) for c, r in zip(completions, references)]
     return float(np.mean(correct)) if correct else 0.0
 
@@ -181,7 +181,7 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
     tokenized, _ = data.build_examples(
         rows, tok, "messages", max_length=max_length, block_size=1, source_name="eval"
     )
-    obj = types.SimpleNamespace(max_label_tokens=None, normalization="token", ce_chunk_size=0)
+    obj = config.ObjectiveConfig(name="ar", normalization="token", max_label_tokens=None)
     loss = jax.jit(lambda m, b: ar_loss(m, b, obj)[1])
     total, count = 0.0, 0
     ds = data.batched_dataset(
@@ -220,7 +220,7 @@ def write_report(workdir: str, report: dict) -> str:
         except FileExistsError:
             continue
     else:
-        raise FileExistsError(f"{directory}: too many evaluations named {stem}_*.json")
+        raise AlreadyExists(f"{directory}: too many evaluations named {stem}_*.json")
     with open(os.path.join(workdir, "eval.json"), "w") as f:
         f.write(text)
     plot = os.path.splitext(path)[0] + ".png"
@@ -258,18 +258,18 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     (seconds: the fastest of ``eval.timing_repeats`` decodes of all the prompts; tokens/s:
     generated tokens, EOS included, per second; see the module docstring).
     Raises FileNotFoundError for a workdir without checkpoints, ValueError when the evaluation
-    source yields no examples; first `settings.SettingError` / `settings.MissingPath` for a bad
-    setting (`settings.check`, eval.thresholds outside (0, 1] among them), before anything is
-    loaded.
+    source yields no examples; first `errors.SettingError` / `errors.MissingPath` for a bad
+    setting (`config.validate`: eval.thresholds outside (0, 1], an unknown eval.rule or
+    eval.cache_mode among them), before anything is loaded.
     """
-    settings.check(cfg, training=False)
+    config.validate(cfg, training=False)
     e = cfg.eval
-    thresholds = [float(t) for t in e.thresholds]  # checked by settings.check
+    thresholds = [float(t) for t in e.thresholds]  # checked by config.validate
     model, tok, step = wd.load_model(workdir, step=step)
     source, fmt, seed = data.eval_source(cfg)
     examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
-        raise ValueError(
+        raise InputError(
             f"no evaluation examples in {source} read as {fmt!r} rows "
             "(set data.eval_format to the file's row format)"
         )
@@ -279,7 +279,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         try:
             prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
         except ValueError as e:  # e.g. a token outside a trimmed run's vocabulary
-            raise ValueError(f"{source}: evaluation example {i}: {e}") from None
+            raise InputError(f"{source}: evaluation example {i}: {e}") from None
     references = [answer for _, answer in examples]
 
     def run(threshold, block_size=block_size):

@@ -24,6 +24,7 @@ import os
 from absl import flags, logging
 
 from mars_jax import cli, evaluate, huggingface, workdir as wd
+from mars_jax.errors import InputError
 from mars_jax.tokenizer import Tokenizer
 
 
@@ -47,7 +48,7 @@ def export_run(
     ValueError for a trimmed-vocabulary run (``data.trim_vocab``), before writing anything.
     """
     if (vmap := wd.read_vocab_map(workdir)) is not None:
-        raise ValueError(
+        raise InputError(
             f"{workdir} has a trimmed vocabulary ({len(vmap)} rows, vocab_map.json): a Hugging "
             "Face checkpoint needs a row for every id, and without an output bias no weights "
             "keep the missing rows from being chosen; export is refused"

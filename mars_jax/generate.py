@@ -26,7 +26,8 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, data, decode, vocab, workdir as wd
+from mars_jax import cli, config, data, decode, vocab, workdir as wd
+from mars_jax.errors import InputError
 from mars_jax.tokenizer import Tokenizer
 
 
@@ -78,10 +79,14 @@ def complete(
     ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's;
     ``system`` is an optional system message; ``stream(row, text)``, if given, receives each
     row's text as it is committed (see `TextStream`); the other arguments are as in
-    `decode.generate`. Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
+    `decode.generate` and are checked (`config.check_decoding`) before the run is loaded.
+    Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
     EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}. Raises FileNotFoundError for a
     directory that is not a run with a checkpoint, ValueError as `decode.generate`.
     """
+    config.check_decoding(threshold=threshold, block_size=block_size,
+                          max_new_tokens=max_new_tokens, temperature=temperature,
+                          cache_mode=cache_mode, rule=rule)
     model, tok, _ = wd.load_model(workdir, step=step)
     eos_ids = vocab.model_ids(tok, decode.DEFAULT_EOS_IDS)
     system_turn = [{"role": "system", "content": system}] if system else []
@@ -136,13 +141,13 @@ def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
     for i, row in enumerate(data.read_rows(path), start=1):
         prompt, threshold = row.get("prompt"), row.get("threshold")
         if not isinstance(prompt, str):
-            raise ValueError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")
+            raise InputError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")
         if threshold is not None and (
             isinstance(threshold, bool) or not isinstance(threshold, (int, float))
         ):
-            raise ValueError(f"{path}: row {i}: 'threshold' must be a number, got {threshold!r}")
+            raise InputError(f"{path}: row {i}: 'threshold' must be a number, got {threshold!r}")
         if threshold is not None and not 0 < threshold <= 1:
-            raise ValueError(f"{path}: row {i}: 'threshold' must lie in (0, 1], got {threshold!r}")
+            raise InputError(f"{path}: row {i}: 'threshold' must lie in (0, 1], got {threshold!r}")
         prompts.append(prompt)
         thresholds.append(threshold)
     return prompts, thresholds
@@ -172,7 +177,7 @@ def main() -> None:
             more, more_thresholds = read_prompts(prompts_file.value)
             prompts, thresholds = prompts + more, thresholds + more_thresholds
         if not prompts:
-            raise ValueError("give at least one --prompt or a --prompts_file")
+            raise InputError("give at least one --prompt or a --prompts_file")
         tagged = len(prompts) > 1
 
         def write(row: int, text: str) -> None:

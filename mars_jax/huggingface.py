@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from mars_jax.decode import DEFAULT_EOS_IDS
+from mars_jax.errors import AlreadyExists, InputError, NotFound
 from mars_jax.model import ModelConfig, Qwen2, abstract_model
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
@@ -52,7 +53,7 @@ def config_from_hf(
     """
 
     def fail(field, why):
-        raise ValueError(f"{source}: unsupported {field}: {why}")
+        raise InputError(f"{source}: unsupported {field}: {why}")
 
     if hf.get("model_type", "qwen2") != "qwen2":
         fail("model_type", f"{hf.get('model_type')!r} (expected 'qwen2')")
@@ -186,19 +187,19 @@ def _checkpoint_files(path: str) -> list[str]:
             files = sorted(set(json.load(f)["weight_map"].values()))
         for file in files:
             if not file.endswith(".safetensors"):
-                raise ValueError(f"{index}: weight_map names {file!r}, not a .safetensors file")
+                raise InputError(f"{index}: weight_map names {file!r}, not a .safetensors file")
         return files
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return ["model.safetensors"]
     pickled = sorted(f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES))
     if pickled:
-        raise FileNotFoundError(
+        raise NotFound(
             f"{path}: no model.safetensors, only pickle-based weights ({', '.join(pickled)}), "
             "which are not loaded: unpickling can run arbitrary code. If you trust them, "
             "convert them to safetensors once with transformers: python -c \"import transformers "
             f"as t; d = {path!r}; t.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)\""
         )
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    raise NotFound(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,9 +244,9 @@ def _sources(path: str, cfg: ModelConfig, state: nnx.State) -> nnx.State:
         expected = shape[::-1] if transposed else shape
         for name in names:
             if name not in shapes:
-                raise ValueError(f"{path}: missing tensor {name!r} required by the config")
+                raise InputError(f"{path}: missing tensor {name!r} required by the config")
             if shapes[name] != expected:
-                raise ValueError(
+                raise InputError(
                     f"{path}/{origin[name]}: tensor {name!r} has shape {shapes[name]}, "
                     f"expected {expected}"
                 )
@@ -256,14 +257,14 @@ def _sources(path: str, cfg: ModelConfig, state: nnx.State) -> nnx.State:
     sources = jax.tree_util.tree_map_with_path(source, state)
     tied_head = cfg.tie_word_embeddings and _HEAD in shapes and _EMBEDDING in used
     if tied_head and shapes[_HEAD] != shapes[_EMBEDDING]:
-        raise ValueError(
+        raise InputError(
             f"{path}/{origin[_HEAD]}: tensor {_HEAD!r} has shape {shapes[_HEAD]}, but the "
             f"config ties it to {_EMBEDDING!r} ({origin[_EMBEDDING]}) of shape "
             f"{shapes[_EMBEDDING]}"
         )
     unused = sorted(set(shapes) - used - ({_HEAD} if tied_head else set()))
     if unused:
-        raise ValueError(
+        raise InputError(
             f"{path}: tensors not used by the model (config mismatch?): "
             + ", ".join(f"{n} ({origin[n]})" for n in unused[:10])
         )
@@ -312,7 +313,7 @@ def _check_tied_head(path: str, head_file: str, embedding_file: str, shape: tupl
                 if first is None:
                     first = start + int(np.argwhere(differ)[0][0])
     if first is not None:
-        raise ValueError(
+        raise InputError(
             f"{path}: config.json ties the LM head to the embedding (tie_word_embeddings: "
             f"true), but the stored {_HEAD!r} ({head_file}) differs from {_EMBEDDING!r} "
             f"({embedding_file}): first at row {first}, largest absolute difference {largest:g}; "
@@ -407,7 +408,7 @@ def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "flo
     safetensors weights (pickled ones are refused); ValueError as `config_from_hf`."""
     source = os.path.join(path, "config.json")
     if not os.path.exists(source):
-        raise FileNotFoundError(f"{source} not found: {path} is not a Hugging Face model directory")
+        raise NotFound(f"{source} not found: {path} is not a Hugging Face model directory")
     with open(source) as f:
         hf = json.load(f)
     _checkpoint_files(path)
@@ -459,16 +460,16 @@ def export_hf(
     if mask_token_id is None and model.cfg.vocab_size > MASK_ID:
         mask_token_id = MASK_ID
     if mask_token_id is not None and not 0 <= mask_token_id < model.cfg.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"mask_token_id {mask_token_id} is not a row of the {model.cfg.vocab_size}-row "
             "embedding"
         )
     if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+        raise InputError(f"block_size must be >= 1, got {block_size}")
     os.makedirs(path, exist_ok=True)
     stale = [f for f in os.listdir(path) if f.endswith(".safetensors") or f.endswith(".index.json")]
     if stale:
-        raise FileExistsError(
+        raise AlreadyExists(
             f"{path} already holds weights ({', '.join(sorted(stale))}); "
             "export into an empty or new directory"
         )

@@ -32,7 +32,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import chunks, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mars_jax import decode, vocab, workdir as wd
+from mars_jax import config, decode, vocab, workdir as wd
+from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
 
 # Under lm_eval's logger, which its CLI shows at INFO (it leaves other loggers alone).
@@ -87,22 +88,14 @@ lm_eval's results (`get_model_info`).
         super().__init__()
         # Checked before the model is loaded: decode.generate would refuse them only at the
         # first generate_until request, after lm_eval's task setup and any loglikelihood tasks.
-        if not 0.0 < float(threshold) <= 1.0:
-            raise ValueError(f"mars_jax: threshold must lie in (0, 1], got {threshold!r}")
-        if cache_mode not in decode.CACHE_MODES:
-            raise ValueError(
-                f"mars_jax: cache_mode must be one of {decode.CACHE_MODES}, got {cache_mode!r}"
-            )
-        if rule not in decode.RULES:
-            raise ValueError(f"mars_jax: rule must be one of {decode.RULES}, got {rule!r}")
-        if block_size is not None and int(block_size) < 1:
-            raise ValueError(f"mars_jax: block_size must be >= 1, got {block_size!r}")
+        config.check_decoding(threshold=threshold, block_size=block_size, cache_mode=cache_mode,
+                              rule=rule, prefix="mars_jax: ")
         try:
             self.batch_size = int(batch_size or 1)
         except ValueError:
-            raise ValueError(f"mars_jax: batch_size must be an integer, got {batch_size!r}")
+            raise InputError(f"mars_jax: batch_size must be an integer, got {batch_size!r}")
         if self.batch_size < 1:
-            raise ValueError(f"mars_jax: batch_size must be >= 1, got {batch_size!r}")
+            raise InputError(f"mars_jax: batch_size must be >= 1, got {batch_size!r}")
         self.workdir = workdir
         self.model, self.tokenizer, self.step = wd.load_model(workdir, step=step)
         self.decode_kwargs = dict(
@@ -156,7 +149,7 @@ lm_eval's results (`get_model_info`).
         try:
             return self.tok_encode(context) or [self.prefix_token_id]
         except ValueError as e:
-            raise ValueError(f"mars_jax: request {i}: {e}") from None
+            raise InputError(f"mars_jax: request {i}: {e}") from None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False):
         """[(log-prob float, greedy bool)] per ((context, continuation), context ids,
@@ -200,7 +193,7 @@ lm_eval's results (`get_model_info`).
         by_temperature: dict[float, list[int]] = {}
         for i, s in enumerate(settings):
             if unknown := sorted(set(s) - _GEN_KWARGS):
-                raise ValueError(f"mars_jax: request {i}: unsupported generation kwargs {unknown}")
+                raise InputError(f"mars_jax: request {i}: unsupported generation kwargs {unknown}")
             temperature = float(s.get("temperature", 0.0)) if s["do_sample"] else 0.0
             by_temperature.setdefault(temperature, []).append(i)
         texts = [""] * len(requests)
@@ -230,11 +223,12 @@ def main() -> None:
     vocabulary) print ``error: ...`` and exit 1 here too; any other keeps its traceback."""
     from lm_eval.__main__ import cli_evaluate
 
-    from mars_jax import cli
+    from mars_jax import cli, platforms
 
+    platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
     try:
         cli_evaluate()
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except Exception as e:  # re-raised unless it is the user's
         if not cli.is_user_error(e):
             raise
         raise SystemExit(f"error: {e}") from None

@@ -24,12 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mars_jax.config import NOISY_WEIGHTINGS, NORMALIZATIONS  # noqa: F401 - the choices
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import Qwen2, causal_mask
 
-NORMALIZATIONS = ("sequence", "token")
-# How each sequence's noisy CE is weighted: "none", or "inverse_t" (the reference's no-SFT trainer).
-NOISY_WEIGHTINGS = ("none", "inverse_t")
 # The batch key holding the per-row weights of "inverse_t" (float32 [R]; see `noisy_row_weights`).
 NOISY_WEIGHT = "noisy_weight"
 
@@ -197,26 +195,7 @@ def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
 OBJECTIVES = {"ar": ar_loss, "mars": mars_loss}
 
 
-def check_config(cfg: Any) -> None:
-    """Raises ValueError for an unknown ``cfg.name``, ``cfg.normalization`` or
-    ``cfg.noisy_weighting``, or "inverse_t" with the ar objective."""
-    if cfg.name not in OBJECTIVES:
-        raise ValueError(f"objective.name must be one of {sorted(OBJECTIVES)}, got {cfg.name!r}")
-    if cfg.normalization not in NORMALIZATIONS:
-        raise ValueError(
-            f"objective.normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}"
-        )
-    weighting = cfg.noisy_weighting
-    if weighting not in NOISY_WEIGHTINGS:
-        raise ValueError(
-            f"objective.noisy_weighting must be one of {NOISY_WEIGHTINGS}, got {weighting!r}"
-        )
-    if weighting != "none" and cfg.name != "mars":
-        raise ValueError(f"objective.noisy_weighting={weighting!r} needs objective.name='mars'")
-
-
 def loss_fn(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-    """Dispatches on ``cfg.name`` ("ar" or "mars"); returns (scalar loss, metrics dict).
-    Raises ValueError (see `check_config`)."""
-    check_config(cfg)
+    """Dispatches on ``cfg.name`` ("ar" or "mars"; a `config.ObjectiveConfig` checks its values
+    when it is built); returns (scalar loss, metrics dict)."""
     return OBJECTIVES[cfg.name](model, batch, cfg)

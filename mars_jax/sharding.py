@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mars_jax.errors import InputError
 from mars_jax.model import ModelConfig, abstract_model
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -53,7 +54,7 @@ def logical_rules(table: Mapping[str, Sequence[str]] = DEFAULT_RULES) -> Rules:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         unknown = [a for a in axes if a not in MESH_AXES]
         if unknown or len(set(axes)) != len(axes):
-            raise ValueError(
+            raise InputError(
                 f"mesh.rules.{name}: {axes!r} must name distinct mesh axes among {MESH_AXES}"
             )
         pairs.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
@@ -70,12 +71,12 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+        raise InputError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(
+        raise InputError(
             f"mesh {dict(zip(MESH_AXES, sizes))} does not use the {len(devices)} devices"
         )
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
@@ -112,7 +113,7 @@ def check_heads(num_heads: int, num_kv_heads: int, mesh: Mesh, rules: Rules) -> 
     for name, count in (("heads", num_heads), ("kv_heads", num_kv_heads)):
         size = axis_size(mesh, table.get(name))
         if count % size:
-            raise ValueError(
+            raise InputError(
                 f"mesh axes {table.get(name)!r} of size {size} (rule {name!r}) split attention "
                 f"heads: num_heads {num_heads} and num_kv_heads {num_kv_heads} must both be "
                 f"divisible by it; choose another tensor size or rule"
@@ -135,13 +136,13 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
         used = [a for axes in spec if axes for a in (axes if isinstance(axes, tuple) else (axes,))]
         if len(used) != len(set(used)):
             names = var.get_metadata().get("out_sharding")
-            raise ValueError(
+            raise InputError(
                 f"parameter {jax.tree_util.keystr(path)}: its axes {names} map to {spec}, which "
                 "uses a mesh axis twice; give these logical axes disjoint mesh axes in mesh.rules"
             )
         for dim, axes in zip(var.shape, spec):
             if dim % axis_size(mesh, axes):
-                raise ValueError(
+                raise InputError(
                     f"parameter {jax.tree_util.keystr(path)}: dimension {dim} is not divisible "
                     f"by mesh axes {axes} of size {axis_size(mesh, axes)}; change the mesh or "
                     "the sharding rules"

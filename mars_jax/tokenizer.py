@@ -88,6 +88,8 @@ QWEN25_CHAT_TEMPLATE = (
     "{%- endif %}\n"
 )
 
+from mars_jax.errors import InputError, NotFound
+
 
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
@@ -148,7 +150,7 @@ class Tokenizer:
         try:
             self._template = env.from_string(chat_template)
         except jinja2.exceptions.TemplateSyntaxError as e:
-            raise ValueError(
+            raise InputError(
                 f"{template_source}: chat template line {e.lineno}: {e.message}"
             ) from e
 
@@ -199,7 +201,7 @@ class Tokenizer:
                 pad_token=self._tok.id_to_token(self.pad_id),
             )
         except jinja2.exceptions.SecurityError as e:
-            raise ValueError(
+            raise InputError(
                 f"{self.template_source}: the chat template was stopped by the sandbox: {e}"
             ) from e
 
@@ -305,7 +307,7 @@ def _bpe_from_ranks(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
                 break
             parts[best : best + 2] = [parts[best] + parts[best + 1]]
         if len(parts) != 2:
-            raise ValueError(f"tiktoken rank {rank} cannot be reached by merging two lower ranks")
+            raise InputError(f"tiktoken rank {rank} cannot be reached by merging two lower ranks")
         merges.append((to_str(parts[0]), to_str(parts[1])))
     return _bpe_model(vocab, merges)
 
@@ -355,23 +357,23 @@ def _add_control_tokens(
             (model_file, tok.id_to_token(token_id)),
         ):
             if found is not None and found != content:
-                raise ValueError(f"{where}: id {token_id} is {found!r}, expected {content!r}")
+                raise InputError(f"{where}: id {token_id} is {found!r}, expected {content!r}")
         wanted.setdefault(token_id, (content, special))
     for token_id, (content, special) in sorted(wanted.items()):
         current = tok.id_to_token(token_id)
         if current is None:
             if token_id != tok.get_vocab_size():
-                raise ValueError(
+                raise InputError(
                     f"{config_file}: cannot add {content!r} at id {token_id}: ids before it are missing"
                 )
             tok.add_tokens([AddedToken(content, special=special, normalized=False)])
         elif current != content:
-            raise ValueError(
+            raise InputError(
                 f"{config_file}: id {token_id} is {content!r}, but {model_file} has {current!r}"
             )
     for token_id, content, _ in fixed:
         if tok.token_to_id(content) != token_id:
-            raise ValueError(
+            raise InputError(
                 f"{model_file}: {content!r} maps to id {tok.token_to_id(content)}, expected {token_id}"
             )
 
@@ -416,7 +418,7 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         model_file = root / "vocab.json"
         tok = _bpe_model(*models.BPE.read_file(str(model_file), str(root / "merges.txt")))
     else:
-        raise FileNotFoundError(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
+        raise NotFound(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
     config_file = root / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     if "auto_map" in config:

@@ -38,12 +38,12 @@ from absl import logging
 from flax import nnx
 
 from mars_jax import (
-    cli, data, distributed, huggingface, objectives, settings, sharding, train_step, vocab,
+    cli, config, data, distributed, huggingface, objectives, sharding, train_step, vocab,
     workdir as wd,
 )
+from mars_jax.errors import SettingError
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import check_config
 from mars_jax.tokenizer import load_tokenizer
 
 
@@ -54,11 +54,8 @@ _EXECUTION_KEYS = ("dtype", "param_dtype", "remat", "attention", "scan_layers")
 def model_config(cfg) -> ModelConfig:
     """The model to train: from ``init_from`` (HF dir or workdir) if set, else ``cfg.model``;
     dtypes and execution settings (remat, attention, scan_layers) always from ``cfg.model``.
-
-    Raises FileNotFoundError when ``init_from`` is not a directory.
+    ``init_from`` is a directory (`config.validate`).
     """
-    if cfg.init_from and not os.path.isdir(cfg.init_from):
-        raise FileNotFoundError(f"init_from={cfg.init_from!r} is not a directory")
     execution = {k: cfg.model[k] for k in _EXECUTION_KEYS}
     if cfg.init_from and wd.is_workdir(cfg.init_from):
         return wd.read_model_config(cfg.init_from, **execution)
@@ -152,19 +149,18 @@ def train(cfg, workdir: str) -> dict:
     each feeds its rows of every batch, all take part in each checkpoint save and restore, and
     only process 0 writes the run files, metrics.jsonl and INFO logs.
 
-    Settings are checked first (`settings.check`, then `settings.check_devices`): a bad one
-    raises `settings.SettingError` (a ValueError) or `settings.MissingPath` (a
+    Settings are checked first (`config.validate`, then `config.check_devices`): a bad one
+    raises `errors.SettingError` (a ValueError) or `errors.MissingPath` (a
     FileNotFoundError) naming the key, before any data is read or anything compiled.
 
-    Raises ValueError for a bad config (see `train_step.build_train_step`,
-    `objectives.check_config`, `sharding`, `distributed.initialize`) or a resume with another
-    config, `workdir.WorkdirInUse` (a ValueError) while another process trains in ``workdir``,
+    Raises ValueError for a bad config (see `sharding`, `distributed.initialize`) or a resume
+    with another config, `workdir.WorkdirInUse` (a ValueError) while another process trains in ``workdir``,
     `workdir.CheckpointError` (a ValueError) for a corrupted checkpoint (without
     ``train.restore_fallback``), FileNotFoundError for a missing ``init_from`` or data file,
     FloatingPointError after ``train.max_consecutive_skips`` steps in a row with
     a non-finite loss or gradient norm (`SkippedSteps`).
     """
-    settings.check(cfg, training=True)
+    config.validate(cfg, training=True)
     distributed.initialize(cfg.distributed)
     # Signals are caught from here on, so that one during the setup stops the run after its
     # first step; the workdir's run lock, taken in _train, is released on the way out.
@@ -175,9 +171,8 @@ def train(cfg, workdir: str) -> dict:
 def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitStack) -> dict:
     """`train` after the settings checks, with ``preemption``'s signal handlers installed; the
     run lock goes on ``stack``."""
-    check_config(cfg.objective)
     model_cfg = model_config(cfg)
-    settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
+    config.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
     vmap = vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
@@ -193,7 +188,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         logging.info("trimmed vocabulary: %d rows", len(vmap))
     t = cfg.train
     if len(examples) < t.batch_size:
-        raise settings.SettingError(
+        raise SettingError(
             "train.batch_size",
             t.batch_size,
             f"{len(examples)} examples cannot fill a batch of {t.batch_size}",

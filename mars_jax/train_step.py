@@ -9,7 +9,6 @@ lower and compile it ahead of time without any weights.
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Any, Callable
 
 import jax
@@ -19,23 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mars_jax import data, sharding
-from mars_jax.objectives import NOISY_WEIGHT, check_config, loss_denominator, loss_fn
-
-
-def objective_settings(cfg, mask_id: int, examples) -> types.SimpleNamespace:
-    """Static objective settings closed over by the jitted step: ``cfg.objective`` plus
-    ``mask_id``.
-
-    ``max_label_tokens`` 0 means: the most labelled tokens of any of ``examples`` (a list of
-    `data.Example`), rounded up to a multiple of 8 (logits are computed at that many
-    positions per row). Raises ValueError as `objectives.check_config`.
-    """
-    obj = types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
-    check_config(obj)
-    if not obj.max_label_tokens:
-        longest = max(int((e.labels != data.IGNORE_INDEX).sum()) for e in examples)
-        obj.max_label_tokens = -(-longest // 8) * 8
-    return obj
+from mars_jax.config import objective_config as objective_settings  # noqa: F401 - its name here
+from mars_jax.objectives import NOISY_WEIGHT, loss_denominator, loss_fn
 
 
 def optimizer(cfg, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -181,18 +165,11 @@ def build_train_step(
     Args:
       cfg: run config (``train.batch_size``, ``train.grad_accum_steps``, ``data.max_length``).
       graphdef, abstract_params: from `sharding.abstract_params` (leaves carry shardings).
-      obj: settings from `objective_settings`.
+      obj: the `config.ObjectiveConfig` of `objective_settings` (`config.objective_config`).
       tx: the optimizer of `optimizer`.
       mesh, rules: the mesh and logical-axis rules (batches go on the "batch" rule's axes).
-
-    Raises ValueError when ``train.batch_size`` is not divisible by ``train.grad_accum_steps``.
     """
-    t = cfg.train
-    if t.batch_size % t.grad_accum_steps:
-        raise ValueError(
-            f"train.batch_size {t.batch_size} is not divisible by "
-            f"train.grad_accum_steps {t.grad_accum_steps}"
-        )
+    t = cfg.train  # train.batch_size divisible by train.grad_accum_steps: config.validate
     param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
     abstract_opt = abstract_opt_state(tx, abstract_params, mesh)
     opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_opt)

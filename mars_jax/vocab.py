@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from mars_jax.data import IGNORE_INDEX
+from mars_jax.errors import InputError
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
 ROW_MULTIPLE = 128  # kept rows are padded with filler ids to a multiple of this
@@ -36,7 +37,7 @@ class VocabMap:
         if self.ids.ndim != 1 or self.ids.size == 0 or self.ids[0] < 0 or np.any(
             np.diff(self.ids) <= 0
         ):
-            raise ValueError("a vocabulary map needs non-negative ids, sorted and unique")
+            raise InputError("a vocabulary map needs non-negative ids, sorted and unique")
         # Dense Qwen id -> model id table (-1: not kept): one lookup per token, where a search
         # per example took 40 s for GSM8K's 7,473 training rows.
         self._table = np.full(int(self.ids[-1]) + 1, -1, np.int32)
@@ -54,7 +55,7 @@ class VocabMap:
         q = np.asarray(qwen_ids, np.int64)
         model = self._lookup(q)
         if np.any(model < 0):
-            raise ValueError(
+            raise InputError(
                 f"{where + ': ' if where else ''}token id {self.missing(q)[0]} is not in the "
                 f"trimmed vocabulary ({len(self)} ids kept from the run's training and "
                 "evaluation data)"
@@ -111,7 +112,7 @@ class VocabMap:
         try:  # a JSONDecodeError (truncated file) and a UnicodeDecodeError are ValueErrors
             return cls(json.loads(raw)["qwen_ids"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: not a vocabulary map ({e})") from None
+            raise InputError(f"{path}: not a vocabulary map ({e})") from None
 
 
 def build(token_ids: Iterable[np.ndarray], mask_id: int, vocab_size: int) -> VocabMap:
@@ -124,7 +125,7 @@ def build(token_ids: Iterable[np.ndarray], mask_id: int, vocab_size: int) -> Voc
     control = np.array([ENDOFTEXT_ID, IM_START_ID, IM_END_ID, mask_id])
     kept = np.unique(np.concatenate([control, *(np.ravel(t) for t in token_ids)]))
     if kept[0] < 0 or kept[-1] >= vocab_size:
-        raise ValueError(f"token ids {kept[0]}..{kept[-1]} lie outside [0, {vocab_size})")
+        raise InputError(f"token ids {kept[0]}..{kept[-1]} lie outside [0, {vocab_size})")
     rows = min(-(-len(kept) // ROW_MULTIPLE) * ROW_MULTIPLE, vocab_size)
     filler = np.setdiff1d(np.arange(rows), kept)[: rows - len(kept)]
     return VocabMap(np.union1d(kept, filler))
@@ -156,7 +157,7 @@ class MappedTokenizer:
     def _to_model(self, ids: list[int]) -> list[int]:
         if missing := self.vocab.missing(ids):
             token = self.qwen.decode(missing[:1], skip_special_tokens=False)
-            raise ValueError(
+            raise InputError(
                 f"token {token!r} (id {missing[0]}) is not in this run's trimmed vocabulary "
                 f"({len(self.vocab)} ids, vocab_map.json): it never occurs in the run's "
                 "training or evaluation data"

@@ -42,6 +42,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from mars_jax import sharding, vocab
+from mars_jax.errors import InputError, NotFound
 from mars_jax.model import ModelConfig
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -99,7 +100,7 @@ def read_vocab_map(workdir: str) -> vocab.VocabMap | None:
     if os.path.exists(os.path.join(workdir, "model.json")):
         rows = read_model_config(workdir).vocab_size
         if len(vmap) != rows:
-            raise ValueError(
+            raise InputError(
                 f"{path}: {len(vmap)} ids, but the model (model.json) has {rows} embedding "
                 "rows: the map is not this run's"
             )
@@ -117,12 +118,12 @@ def _check_vocab(workdir: str, vmap: vocab.VocabMap | None, tok: Tokenizer, rows
         if os.path.exists(config):
             trimmed = bool(read_run_config(workdir).get("data", {}).get("trim_vocab", False))
         if trimmed:
-            raise ValueError(
+            raise InputError(
                 f"{path} not found: {workdir} was trained with data.trim_vocab=True ({rows} "
                 "embedding rows), and its model ids mean nothing without the map"
             )
     elif int(vmap.ids[-1]) >= len(tok):
-        raise ValueError(
+        raise InputError(
             f"{path}: id {int(vmap.ids[-1])} lies past the tokenizer's {len(tok)} ids"
         )
 
@@ -160,7 +161,7 @@ def read_run_config(workdir: str) -> dict:
     """``workdir/config.json`` as a dict. Raises FileNotFoundError if it is missing."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} holds no run config")
+        raise NotFound(f"{path} not found: {workdir} holds no run config")
     with open(path) as f:
         return json.load(f)
 
@@ -180,7 +181,7 @@ def check_same_run(workdir: str, run_config_json: str) -> None:
         and not k.startswith(_RESUMABLE_SECTIONS)
     ]
     if diff:
-        raise ValueError(
+        raise InputError(
             f"{workdir} holds a run with another config ({'; '.join(diff)}): resume it with its "
             "own config, or start the new run in a new workdir"
         )
@@ -199,7 +200,7 @@ def sharding_rules(workdir: str) -> sharding.Rules:
     """
     mesh = read_run_config(workdir)["mesh"]
     if "rules" not in mesh:
-        raise ValueError(
+        raise InputError(
             f"{workdir} was written by an earlier mars-jax (no mesh.rules; decoder layers saved "
             "one by one): export it with that version and start from the export (init_from)"
         )
@@ -210,12 +211,12 @@ def read_model_config(workdir: str, **overrides) -> ModelConfig:
     """The `ModelConfig` saved in ``workdir/model.json``, with field ``overrides`` (e.g. dtype)."""
     path = os.path.join(workdir, "model.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} is not a mars-jax run directory")
+        raise NotFound(f"{path} not found: {workdir} is not a mars-jax run directory")
     with open(path) as f:
         return dataclasses.replace(ModelConfig(**json.load(f)), **overrides)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A committed checkpoint step whose files do not match the checksums written when it was
     saved (a file truncated, overwritten or missing): ``checkpoint step S: DIR/FILE: reason``."""
 
@@ -259,7 +260,7 @@ def write_checksums(step_dir: str) -> None:
     os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
 
 
-class WorkdirInUse(ValueError):
+class WorkdirInUse(InputError):
     """Another process holds ``workdir``'s run lock (`RunLock`)."""
 
 
@@ -479,9 +480,9 @@ class Checkpoints:
         `CheckpointError` if the parameter files fail `verify`."""
         step = self.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+            raise NotFound(f"no checkpoint in {self._manager.directory}")
         if step not in (saved := list(self._manager.all_steps())):
-            raise FileNotFoundError(
+            raise NotFound(
                 f"no checkpoint step {step} in {self._manager.directory} (saved steps: "
                 f"{', '.join(map(str, sorted(saved)))})"
             )

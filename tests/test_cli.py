@@ -118,3 +118,45 @@ def test_a_prompts_file_threshold_is_checked_naming_its_row(tmp_path, threshold,
                     + json.dumps({"prompt": "b", "threshold": threshold}) + "\n")
     with pytest.raises(ValueError, match=rf"^{path}: " + match):
         generate.read_prompts(str(path))
+
+
+def test_user_errors_keep_their_builtin_bases():
+    from mars_jax import errors, settings, workdir
+
+    for cls, base in [(errors.InputError, ValueError), (errors.SettingError, ValueError),
+                      (errors.NotFound, FileNotFoundError), (errors.MissingPath, FileNotFoundError),
+                      (errors.AlreadyExists, FileExistsError), (workdir.CheckpointError, ValueError),
+                      (workdir.WorkdirInUse, ValueError)]:
+        assert issubclass(cls, errors.UserError) and issubclass(cls, base), cls
+    assert settings.SettingError is errors.SettingError
+    assert cli.is_user_error(errors.SettingError("train.batch_size", 0, "must be >= 1"))
+    assert not cli.is_user_error(ValueError("a library's"))
+    assert not cli.is_user_error(RuntimeError("a bug"))
+
+
+_RUN = """
+import os
+from mars_jax import cli, errors
+def main():
+    if os.environ["KIND"] == "user":
+        raise errors.InputError("data.jsonl: row 3: 'messages' must be a list")
+    if os.environ["KIND"] == "value":
+        import numpy as np
+        np.zeros(3).reshape(2)  # numpy's ValueError: a bug here, not the user's input
+    raise KeyError("nope")
+cli.run(main)
+"""
+
+
+@pytest.mark.parametrize("kind", ["user", "value", "key"])
+def test_cli_run_prints_a_user_error_as_one_line_and_anything_else_with_its_traceback(kind):
+    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "KIND": kind}
+    proc = subprocess.run([sys.executable, "-c", _RUN], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    if kind == "user":
+        assert lines == ["error: data.jsonl: row 3: 'messages' must be a list"], proc.stderr
+    else:
+        assert "Traceback (most recent call last):" in proc.stderr, proc.stderr[-3000:]
+        assert not any(line.startswith("error:") for line in lines), proc.stderr[-3000:]

@@ -89,4 +89,6 @@ def test_tiny_plan_on_v5e_2x2():
 
     # 16 rows do not split into 3 micro-batches: reported, not raised.
     assert (bad["grad_accum_steps"], bad["micro_batch"], bad["fits"]) == (3, None, False)
-    assert "not divisible by train.grad_accum_steps 3" in bad["error"]
+    assert bad["error"] == (
+        "SettingError: train.batch_size=16: must be divisible by train.grad_accum_steps=3"
+    )

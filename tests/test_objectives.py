@@ -7,6 +7,7 @@ Losses are checked against straightforward references on full-vocabulary logits 
 transformers' own loss for the AR objective).
 """
 
+import dataclasses
 from types import SimpleNamespace
 
 import jax
@@ -18,6 +19,7 @@ from flax import nnx
 
 from conftest import TINY
 from mars_jax import huggingface
+from mars_jax.config import ObjectiveConfig
 from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import causal_mask
 from mars_jax.objectives import (
@@ -37,7 +39,7 @@ MASK_ID, EOS_ID, PAD_ID = V - 1, V - 2, V - 3
 
 def obj_cfg(name="mars", block_size=4, ar_weight=1.0, normalization="sequence", max_label_tokens=None,
             ce_chunk_size=0, noisy_weighting="none"):
-    return SimpleNamespace(name=name, block_size=block_size, ar_weight=ar_weight,
+    return ObjectiveConfig(name=name, block_size=block_size, ar_weight=ar_weight,
                            normalization=normalization, max_label_tokens=max_label_tokens,
                            mask_id=MASK_ID, ce_chunk_size=ce_chunk_size,
                            noisy_weighting=noisy_weighting)
@@ -331,14 +333,20 @@ def test_objective_errors(models):
     with pytest.raises(ValueError, match="not a multiple of block_size 8"):
         mars_loss(model, batch, obj_cfg(block_size=8))
     batch = make_batch(0, 4, [(3, 5)] * 5, length=24)
+    # A typed ObjectiveConfig refuses a bad value when it is built, before any loss is traced.
     with pytest.raises(ValueError, match="objective.name"):
-        loss_fn(model, batch, obj_cfg(name="diffusion"))
+        obj_cfg(name="diffusion")
     with pytest.raises(ValueError, match="normalization"):
-        ar_loss(model, batch, obj_cfg(name="ar", normalization="batch"))
+        obj_cfg(name="ar", normalization="batch")
     with pytest.raises(ValueError, match="noisy_weighting must be one of"):
-        loss_fn(model, batch, obj_cfg(noisy_weighting="inverse"))
+        obj_cfg(noisy_weighting="inverse")
     with pytest.raises(ValueError, match="needs objective.name='mars'"):
-        loss_fn(model, batch, obj_cfg(name="ar", noisy_weighting="inverse_t"))
+        obj_cfg(name="ar", noisy_weighting="inverse_t")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        obj_cfg().block_size = 8
+    # cross_entropy keeps its own guard for duck-typed settings.
+    with pytest.raises(ValueError, match="normalization"):
+        ar_loss(model, batch, SimpleNamespace(**{**vars(obj_cfg(name="ar")), "normalization": "batch"}))
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 8])

@@ -3,6 +3,7 @@ train (stage 1, resume, stage 2 from stage 1, init from a Hugging Face directory
 train / evaluate / generate / export command lines."""
 
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -289,8 +290,9 @@ def test_inverse_t_weighting_reaches_the_step(stage1, tmp_path):
     obj = train_step.objective_settings(cfg, tok.mask_id, examples)
     weights = objectives.noisy_row_weights(cfg.seed, 0, cfg.train.batch_size)
     expected, _ = objectives.mars_loss(s1, {**batch, objectives.NOISY_WEIGHT: weights}, obj)
-    obj.noisy_weighting = "none"
-    unweighted, _ = objectives.mars_loss(s1, batch, obj)
+    unweighted, _ = objectives.mars_loss(
+        s1, batch, dataclasses.replace(obj, noisy_weighting="none")  # ObjectiveConfig is frozen
+    )
     assert losses == pytest.approx([float(expected)] * 2, rel=1e-5)
     assert abs(float(expected) - float(unweighted)) > 0.1 * float(unweighted)
 

@@ -1,0 +1,56 @@
+"""Keeps JAX off an absent TPU, so a program on a machine without one prints no libtpu errors.
+
+With libtpu installed (``jax[tpu]``, which requirements-test.txt pulls in) and ``JAX_PLATFORMS``
+unset, JAX's first use of a device loads libtpu, which on a machine with no TPU prints about
+five lines to stderr (``Failed to find host bounds for accelerator type``, ``could not determine
+TPU accelerator type``, an ``INVALID_ARGUMENT ... TPU_WORKER_HOSTNAMES`` error with a source
+trace) before JAX falls back to the CPU. ``TPU_SKIP_MDS_QUERY=1`` does not silence them (it only
+skips the cloud metadata server); ``JAX_PLATFORMS=cpu`` does.
+
+`cpu_unless_accelerator` sets ``JAX_PLATFORMS=cpu`` for such a machine: one where
+``JAX_PLATFORMS`` is not set and no accelerator is attached (`accelerator_attached`: no Google
+PCI device, as JAX's own TPU detection reads /sys/bus/pci, no TPU device file or TPU variable,
+no NVIDIA device file, no AMD /dev/kfd). There JAX would end on the CPU anyway. `cli.run` calls it before a program's ``main``; a ``JAX_PLATFORMS`` that is
+set, even to "", always wins.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (jax._src.hardware_utils)
+# Set on TPU VMs and pods (and by users who point libtpu at a TPU by hand).
+_TPU_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID")
+
+
+def accelerator_attached() -> bool:
+    """Whether a TPU, an NVIDIA GPU or an AMD GPU may be attached here: any Google PCI device, a
+    TPU device file (/dev/accel*, /dev/vfio/N) or a TPU variable of a TPU VM or pod (so a
+    container that hides /sys/bus/pci still counts), an NVIDIA device file, AMD's /dev/kfd."""
+    if any(os.environ.get(name) for name in _TPU_VARIABLES):
+        return True
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/nvidiactl")
+                or os.path.exists("/dev/kfd"))
+
+
+def cpu_unless_accelerator() -> bool:
+    """Sets ``JAX_PLATFORMS=cpu`` (the environment, and JAX's config if JAX is imported) when it
+    is unset and no accelerator is attached; returns whether it did. Call it before JAX first
+    uses a device (later it changes nothing)."""
+    if "JAX_PLATFORMS" in os.environ or accelerator_attached():
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # read at import: update the live config too
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+    return True
