@@ -561,7 +561,8 @@ def run_generate(commands, request, tmp_path):
     for command in commands:
         out = run_command(command, ["--max_new_tokens=8"],
                           subs={"runs/tiny": run, "prompts.jsonl": prompts}).stdout
-        assert out.strip(), command
+        # A 2-step model's completion may be blank lines, but it is printed.
+        assert out and "Traceback" not in out, command
         if "--json" in command.text:
             rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             assert len(rows) == (2 if "--prompts_file" in command.text else 1), out
@@ -647,10 +648,13 @@ def run_tpu_vm(commands, request, tmp_path):
         argv = shlex.split(command.text)
         insert = None if "--dry_run" in argv else (2, ["--dry_run"])
         out = run_command(command, env=TPU_ENV, insert=insert).stdout
-        gcloud = [line for line in out.splitlines() if line.startswith("+ gcloud")]
-        assert any(" tpu-vm ssh " in line for line in gcloud), out
-        train = argv[argv.index("--") + 1 :]
-        assert shlex.join(train) in out or " ".join(train) in out, (train, out)
+        gcloud = [shlex.split(line[2:]) for line in out.splitlines() if line.startswith("+ gcloud")]
+        ssh = [c for c in gcloud if c[3:5] == ["tpu-vm", "ssh"]]
+        assert ssh and ssh[0][5] == TPU_ENV["NAME"], out
+        # The last ssh runs the documented command on every worker, its arguments as given.
+        remote = shlex.split(ssh[-1][-1].removeprefix("--command="))
+        start = remote.index("{") + 1
+        assert remote[start : remote.index(";", start)] == argv[argv.index("--") + 1 :], out
 
 
 def run_xm_launch(commands, request, tmp_path):
