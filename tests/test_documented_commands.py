@@ -207,7 +207,8 @@ REGISTRY = [
              "the same script with --smoke on CPU")),
     ("claims_smoke", r"python -m experiments\.claims --config=experiments/claims_config\.py:smoke "
      r"--workdir=\S+",
-     Smoke("run_claims_smoke", "as documented (two steps per run); its results table")),
+     Smoke("run_claims_smoke", "as documented (two steps per run), 3 of its 7 runs "
+           "(block size 4, AR weight 1, no extra seed); its results table")),
     ("claims_full", r"python -m experiments\.claims --config=experiments/claims_config\.py:"
      r"(synthetic|synthetic_gpu|synthetic_stage2_lr) --workdir=\S+",
      Checked("check_claims_config", "hours of training: the experiment's run configs are built "
@@ -361,6 +362,10 @@ EVAL_SMOKE = ["--config.eval.num_examples=2", "--config.eval.batch_size=2",
 TRAIN_SMOKE = ["--config.train.num_steps=2", "--config.train.batch_size=2",
                "--config.train.log_every=1", "--config.data.num_synthetic_train=8"]
 RUN_SMOKE = TRAIN_SMOKE + MODEL_SMOKE + EVAL_SMOKE
+# The claims smoke experiment with 3 of its 7 runs (stage 1, the AR control, one MARS run).
+CLAIMS_SMOKE = ["--config.block_sizes=(4,)", "--config.ar_weights=(1.0,)",
+                "--config.extra_seeds=()", "--config.thresholds=(1.0,0.9)",
+                "--config.run.eval.timing_repeats=1"]
 
 
 def needs_shared_data():
@@ -380,12 +385,11 @@ def substitute(argv: list[str], subs: dict[str, str]) -> list[str]:
     return out
 
 
-def run_command(command: Command | str, extra=(), subs=None, env=None, insert=None,
-                timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
-    """The documented ``command`` from the repository root on CPU, its paths substituted
-    (``subs``), ``extra`` arguments appended and ``insert`` (index, args) inserted; asserts exit
-    code 0. Leading ``VAR=value`` words become the environment, as in a shell; ``python`` is this
-    interpreter."""
+def prepare(command: Command | str, extra=(), subs=None, env=None, insert=None):
+    """(argv, environment) of the documented ``command``: its paths substituted (``subs``),
+    ``extra`` arguments appended and ``insert`` (index, args) inserted. Leading ``VAR=value``
+    words become the environment, as in a shell; ``python`` is this interpreter, also for the
+    bash scripts (first on PATH)."""
     text = command.text if isinstance(command, Command) else command
     argv = shlex.split(text)
     environ = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1",
@@ -400,8 +404,45 @@ def run_command(command: Command | str, extra=(), subs=None, env=None, insert=No
     if insert:
         argv[insert[0]:insert[0]] = list(insert[1])
     argv += list(extra)
-    # The venv's python first, so that bash scripts' `python` is this interpreter too.
     environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), environ["PATH"]])
+    return argv, environ
+
+
+class Job:
+    """A documented command running in the background (from the repository root); `wait`
+    asserts exit code 0 and returns its stdout."""
+
+    def __init__(self, command, logs: Path, **kwargs):
+        self.command = command
+        self.argv, environ = prepare(command, **kwargs)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.out, self.err = logs / "stdout", logs / "stderr"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=environ, stdout=out,
+                                         stderr=err, text=True)
+
+    def wait(self, timeout=TIMEOUT_S) -> str:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        stdout = self.out.read_text()
+        assert code == 0, (
+            f"{self.command} (run as {shlex.join(self.argv)}) exited {code}\n"
+            f"{stdout[-3000:]}\n{self.err.read_text()[-5000:]}")
+        return stdout
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_command(command: Command | str, extra=(), subs=None, env=None, insert=None,
+                timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`prepare`'s command run to its end; asserts exit code 0."""
+    argv, environ = prepare(command, extra, subs, env, insert)
     proc = subprocess.run(argv, cwd=ROOT, env=environ, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, (
@@ -426,32 +467,76 @@ def check_eval_tables(stdout: str, workdirs: list[Path]):
     assert stdout.count(TABLE_HEADER) >= len(workdirs), stdout[-2000:]
 
 
-def two_stage(tmp_path_factory, entry: str, extra=(), subs_extra=None) -> Path:
+# The expensive independent runs: (entries whose commands need them). They start together in
+# the background when the first smoke test runs (only those a selected test needs), so that on
+# CI's 2 cores they overlap with each other and with the commands run on the tiny run.
+BACKGROUND = {
+    "quick_start": {"quick_start", "two_stage_qwen0_5b", "evaluate_tiny", "configs_train",
+                    "generate", "export", "lm_eval_local", "decode_speed_both"},
+    "two_stage_synthetic": {"two_stage_synthetic", "decode_speed_trained"},
+    "two_stage_gsm8k": {"two_stage_gsm8k", "gsm8k_ar_control", "decode_speed_trained"},
+    "claims_smoke": {"claims_smoke"},
+}
+
+
+def start_two_stage(base: Path, entry: str) -> tuple[Job, Path]:
     [command] = commands_of(entry)
-    argv = shlex.split(command.text)
-    base = tmp_path_factory.mktemp(entry)
-    run = base / Path(argv[3]).name
-    proc = run_command(command, RUN_SMOKE + list(extra), subs={argv[3]: run, **(subs_extra or {})})
+    documented = shlex.split(command.text)[3]
+    run = base / Path(documented).name
+    return Job(command, base / "logs", extra=RUN_SMOKE, subs={documented: run}), run
+
+
+def start_claims(base: Path) -> tuple[Job, Path]:
+    command = commands_of("claims_smoke")[0]
+    documented = re.search(r"--workdir=(\S+)", command.text).group(1)
+    return Job(command, base / "logs", extra=CLAIMS_SMOKE, subs={documented: base / "claims"}), (
+        base / "claims")
+
+
+@pytest.fixture(scope="module")
+def background(request, tmp_path_factory):
+    """{entry: (Job, its run directory)} of the BACKGROUND runs the selected tests need."""
+    selected = {item.callspec.params["entry"] for item in request.session.items
+                if item.module is sys.modules[__name__] and hasattr(item, "callspec")
+                and "entry" in item.callspec.params}
+    jobs = {}
+    for entry, users in BACKGROUND.items():
+        if not selected & users or ("gsm8k" in entry and not SHARED_DATA.is_dir()):
+            continue
+        base = tmp_path_factory.mktemp(entry)
+        jobs[entry] = start_claims(base) if entry == "claims_smoke" else start_two_stage(
+            base, entry)
+    yield jobs
+    for job, _ in jobs.values():
+        job.kill()
+
+
+def finished_two_stage(background, tmp_path_factory, entry: str) -> Path:
+    """The run directory of ``entry``'s two-stage run, once it has ended and was checked."""
+    if entry not in background:  # not started with the others (e.g. -k selected no user)
+        background[entry] = start_two_stage(tmp_path_factory.mktemp(entry), entry)
+    job, run = background[entry]
+    stdout = job.wait()
     check_run_dir(run)
-    check_eval_tables(proc.stdout, [run / "ar", run / "mars"])
+    check_eval_tables(stdout, [run / "ar", run / "mars"])
     return run
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(background, tmp_path_factory):
     """The README's quick start at smoke size: runs/tiny with ar/ and mars/ (shared)."""
-    return two_stage(tmp_path_factory, "quick_start")
+    return finished_two_stage(background, tmp_path_factory, "quick_start")
 
 
 @pytest.fixture(scope="module")
-def synthetic_run(tmp_path_factory):
-    return two_stage(tmp_path_factory, "two_stage_synthetic")
+def synthetic_run(background, tmp_path_factory):
+    return finished_two_stage(background, tmp_path_factory, "two_stage_synthetic")
 
 
 @pytest.fixture(scope="module")
-def gsm8k_run(tmp_path_factory):
+def gsm8k_run(background, tmp_path_factory):
     needs_shared_data()
-    return two_stage(tmp_path_factory, "two_stage_gsm8k")
+    return finished_two_stage(background, tmp_path_factory, "two_stage_gsm8k")
 
 
 @pytest.fixture(scope="module")
@@ -629,14 +714,16 @@ def run_roofline(commands, request, tmp_path):
 
 
 def run_claims_smoke(commands, request, tmp_path):
-    for i, command in enumerate(commands):
-        work = tmp_path / f"claims{i}"
-        workdir = re.search(r"--workdir=(\S+)", command.text).group(1)
-        out = run_command(command, subs={workdir: work}).stdout
-        assert "### smoke: " in out, out[-2000:]
-        assert (work / "results" / "smoke.md").exists()
-        break  # the documented smoke commands differ only in --workdir: one run covers both
+    # The documented smoke commands differ only in --workdir: one run (started in the
+    # background with the other expensive runs) covers them.
     assert len({re.sub(r"--workdir=\S+", "", c.text) for c in commands}) == 1
+    background = request.getfixturevalue("background")
+    if "claims_smoke" not in background:
+        background["claims_smoke"] = start_claims(tmp_path)
+    job, work = background["claims_smoke"]
+    out = job.wait()
+    assert "### smoke: " in out, out[-2000:]
+    assert (work / "results" / "smoke.md").read_text() in out
 
 
 TPU_ENV = {"NAME": "mars-v5e", "ZONE": "us-west4-a", "ACCELERATOR_TYPE": "v5litepod-16",
@@ -667,7 +754,16 @@ def run_xm_launch(commands, request, tmp_path):
         assert all(f"--config={config}:{j['stage']}" in j["argv"] for j in spec["jobs"])
 
 
-SMOKE_ENTRIES = [n for n, _, h in REGISTRY if isinstance(h, Smoke)]
+def _order(entry: str) -> int:
+    """The commands that need no background run first (the background runs progress
+    meanwhile), then those on the tiny run, then those waiting on the other background runs."""
+    users = [e for e, needed_by in BACKGROUND.items() if entry in needed_by]
+    if entry == "two_stage_qwen0_5b":
+        return 2  # needs the export of the tiny run
+    return 0 if not users else 1 if users == ["quick_start"] else 3
+
+
+SMOKE_ENTRIES = sorted((n for n, _, h in REGISTRY if isinstance(h, Smoke)), key=_order)
 
 
 @pytest.mark.subprocess
@@ -675,4 +771,5 @@ SMOKE_ENTRIES = [n for n, _, h in REGISTRY if isinstance(h, Smoke)]
 def test_smoke(entry, request, tmp_path):
     commands = commands_of(entry)
     assert commands, entry
+    request.getfixturevalue("background")  # starts the expensive runs with the first test
     globals()[ENTRIES[entry].runner](commands, request, tmp_path)
