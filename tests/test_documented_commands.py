@@ -85,7 +85,7 @@ def _strip_comment(line: str) -> str:
     return line.rstrip()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def documented_commands() -> tuple[Command, ...]:
     """Every command of every ```bash block of DOC_FILES, in order (SKIP_RULES left out)."""
     commands = []
@@ -188,8 +188,9 @@ REGISTRY = [
     ("decode_speed_both", r"PYTHONPATH=\. python benchmarks/decode_speed\.py --model=both .*",
      Smoke("run_decode_speed", "the tiny run and the random 0.5B shape, 1 prompt, 4 tokens")),
     ("decode_speed_accept", r"PYTHONPATH=\. python benchmarks/decode_speed\.py --accept=.*",
-     Covered("tests/test_benchmark_commands.py::test_decode_step",
-             "accelerator.sh --smoke runs decode_speed.py --accept on the tiny shape")),
+     Smoke("run_decode_speed_accept", "the tiny shape, B = 2, K = 1 and 2, 2 forwards, ar and "
+           "sliding, --parts kept (test_benchmark_commands.py::test_decode_step checks the "
+           "table's numbers, without --parts)")),
     ("roofline_published", r"PYTHONPATH=\. python benchmarks/roofline\.py --markdown "
      r"--cpu_gflops=\S+ --cpu_gbps=\S+",
      Covered("tests/test_benchmark_commands.py::test_roofline", "the same flags")),
@@ -379,8 +380,8 @@ def substitute(argv: list[str], subs: dict[str, str]) -> list[str]:
     out = []
     for arg in argv:
         for old, new in subs.items():
-            arg = re.sub(rf"(^|[=,]){re.escape(old)}(?=$|[/,])", lambda m: m.group(1) + str(new),
-                         arg)
+            arg = re.sub(rf"(^|[=,]){re.escape(old)}(?=$|[/,])",
+                         lambda m, new=new: m.group(1) + str(new), arg)
         out.append(arg)
     return out
 
@@ -444,7 +445,7 @@ def run_command(command: Command | str, extra=(), subs=None, env=None, insert=No
     """`prepare`'s command run to its end; asserts exit code 0."""
     argv, environ = prepare(command, extra, subs, env, insert)
     proc = subprocess.run(argv, cwd=ROOT, env=environ, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
     assert proc.returncode == 0, (
         f"{command} (run as {shlex.join(argv)}) exited {proc.returncode}\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -463,7 +464,7 @@ TABLE_HEADER = "| threshold | accuracy | tokens/forward |"
 
 def check_eval_tables(stdout: str, workdirs: list[Path]):
     for w in workdirs:
-        assert re.search(rf"^{re.escape(str(w))} step \d+: ", stdout, re.M), (w, stdout[-2000:])
+        assert re.search(rf"^{re.escape(str(w))} step \d+: ", stdout, re.MULTILINE), (w, stdout[-2000:])
     assert stdout.count(TABLE_HEADER) >= len(workdirs), stdout[-2000:]
 
 
@@ -703,6 +704,20 @@ def run_decode_speed(commands, request, tmp_path):
             assert len(models) == 2, models
         assert {r["decoder"] for r in rows} >= {"ar", "sliding"}
         assert (out / "decode_speed.md").read_text().startswith("JAX ")
+
+
+def run_decode_speed_accept(commands, request, tmp_path):
+    for command in commands:
+        out = tmp_path / "accept"
+        stdout = run_command(command, ["--shapes=tiny", "--block_sizes=2", "--accept=1,2",
+                                       "--steps=2", "--repeats=1", "--prompt_len=8",
+                                       "--modes=ar,sliding", f"--output_dir={out}"]).stdout
+        rows = [json.loads(line) for line in (out / "decode_step.jsonl").read_text().splitlines()]
+        assert [(r["mode"], r["accept"]) for r in rows] == [("ar", 1), ("sliding", 1),
+                                                            ("sliding", 2)]
+        if "--parts" in command.text:
+            assert (out / "decode_step_parts.md").exists()
+            assert "| layers ms | projection ms | choice ms |" in stdout
 
 
 def run_roofline(commands, request, tmp_path):
