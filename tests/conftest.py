@@ -1,6 +1,9 @@
 """Shared helpers of the tests: configs/tiny.py's config with overrides (`tiny_config`), a Python
 subprocess from the repository root (`run_python`, `python_env`), and tiny transformers Qwen2
-checkpoints (`make_hf_model`, `save_hf` and the fixtures)."""
+checkpoints (`make_hf_model`, `save_hf` and the fixtures).
+
+tests/multidevice runs in a process of its own, with 8 CPU devices set before jax starts
+(tests/test_multidevice.py runs it): it is collected only when named on the command line."""
 
 import importlib.util
 import os
@@ -14,6 +17,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
+
+collect_ignore = ["multidevice"]
 
 
 def tiny_config(stage="ar", *layers, **overrides):
@@ -138,3 +143,12 @@ def untied_ckpt(tmp_path_factory):
     )
     return path, model
 
+
+@pytest.fixture(scope="session")
+def bf16_ckpt(tmp_path_factory):
+    """(directory, transformers model in bfloat16): untied, 3 layers, saved in several files."""
+    path = tmp_path_factory.mktemp("hf_bf16")
+    model = make_hf_model(seed=11, tie_word_embeddings=False, num_hidden_layers=3)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(path), max_shard_size="20KB")
+    return path, model
