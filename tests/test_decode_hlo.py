@@ -79,6 +79,7 @@ def test_rows_stay_local_on_v5e_2x2():
     assert sorted(lp["bound"] for lp in old["loops"]) == sorted([LAYERS, ROWS // 4, ROWS // 4])
 
 
+@pytest.mark.slow  # 90-100 s each on a shared 2-core CPU
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v5e:2x2"])
 def test_whole_decoders_have_no_row_loop(topology):
     """Every decoder, lowered whole (prefill, step loop, output): its loops are the step loop
