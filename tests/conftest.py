@@ -1,9 +1,78 @@
-"""Shared helpers for the model / objective tests: tiny transformers Qwen2 checkpoints."""
+"""Shared helpers of the tests: configs/tiny.py's config with overrides (`tiny_config`), a Python
+subprocess from the repository root (`run_python`, `python_env`), and tiny transformers Qwen2
+checkpoints (`make_hf_model`, `save_hf` and the fixtures).
+
+tests/multidevice runs in a process of its own, with 8 CPU devices set before jax starts
+(tests/test_multidevice.py runs it): it is collected only when named on the command line."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+collect_ignore = ["multidevice"]
+
+
+def tiny_config(stage="ar", *layers, **overrides):
+    """configs/tiny.py's ConfigDict for ``stage``, loaded by path as ``--config=configs/tiny.py``
+    loads it, then overridden: each mapping in ``layers`` in turn, then ``overrides``. A key is a
+    config path, "a.b" or, as a keyword, "a__b"; it must already exist in the config."""
+    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config(stage)
+    for layer in (*layers, overrides):
+        for key, value in layer.items():
+            *parents, leaf = key.replace("__", ".").split(".")
+            node = cfg
+            for p in parents:
+                node = node[p]
+            assert leaf in node, key
+            node[leaf] = value
+    return cfg
+
+
+def python_env(**variables):
+    """This process's environment for a Python subprocess: jax on the CPU, libtpu not waiting
+    for a metadata server, the repository first on PYTHONPATH; then ``variables`` (a value of
+    None removes the variable)."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    for name, value in variables.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def run_python(*args, check=True, env=None, timeout=600, **kwargs):
+    """``python ARGS`` (``"-m", module``, ``"-c", code`` or a script and its flags) in the
+    repository root with ``env`` (default: `python_env()`), its output captured as text. With
+    ``check``, an exit status other than 0 fails the test with the command and the tails of
+    its output. Returns the CompletedProcess; ``kwargs`` go to subprocess.run."""
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT,
+                          env=python_env() if env is None else env, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+    if check:
+        assert proc.returncode == 0, (
+            f"python {' '.join(map(str, args))[:500]} exited {proc.returncode}\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
 
 # Tiny Qwen2 shapes: GQA (4 query heads over 2 kv heads), non-default rope_theta.
 TINY = dict(
@@ -72,4 +141,14 @@ def untied_ckpt(tmp_path_factory):
     model = save_hf(
         path, seed=3, tie_word_embeddings=False, head_dim=12, rope_theta=1e6, num_hidden_layers=3
     )
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def bf16_ckpt(tmp_path_factory):
+    """(directory, transformers model in bfloat16): untied, 3 layers, saved in several files."""
+    path = tmp_path_factory.mktemp("hf_bf16")
+    model = make_hf_model(seed=11, tie_word_embeddings=False, num_hidden_layers=3)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(path), max_shard_size="20KB")
     return path, model

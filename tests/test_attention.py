@@ -1,12 +1,8 @@
 """Attention implementations and execution settings (remat, scanned layers) against the plain
 path (dense XLA attention, no remat, layers unrolled): same outputs, same MARS loss and
-gradients. Splash attention (a Pallas TPU kernel) runs here in interpret mode."""
+gradients. Splash attention (a Pallas TPU kernel) runs here in interpret mode; under a mesh of
+CPU devices it is tests/multidevice/test_attention_mesh.py."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -119,65 +115,4 @@ def test_execution_settings_keep_loss_and_gradients(reference, execution, monkey
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))
     assert scale > 1e-3
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-5 * scale)
-
-
-MESH_SCRIPT = r"""
-import json
-from types import SimpleNamespace
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from mars_jax import attention, sharding
-from mars_jax.data import IGNORE_INDEX
-from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import mars_loss
-
-real = attention._splash
-attention._splash = lambda *a, **k: real(*a, interpret=True)  # the TPU kernel, on CPU
-cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
-rng = np.random.default_rng(0)
-ids = rng.integers(0, 120, (4, 64)).astype(np.int32)
-labels = np.where(np.arange(64)[None] >= 20, ids, IGNORE_INDEX).astype(np.int32)
-obj = SimpleNamespace(name="mars", block_size=4, ar_weight=1.0, normalization="sequence",
-                      max_label_tokens=None, mask_id=127, ce_chunk_size=0,
-                          noisy_weighting="none")
-host = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
-mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2)
-rules = sharding.logical_rules()
-out = {}
-for impl in ("xla", "splash"):
-    c = ModelConfig(**{**cfg.__dict__, "attention": impl})
-    graphdef, abstract = sharding.abstract_params(c, mesh, rules)
-    params = jax.device_put(host, jax.tree.map(lambda x: x.sharding, abstract))
-    batch = jax.device_put({"input_ids": ids, "labels": labels}, sharding.batch_sharding(mesh, rules))
-
-    def loss(p, b):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(rules):
-            return mars_loss(nnx.merge(graphdef, p), b, obj)[0]
-
-    value, grads = jax.jit(jax.value_and_grad(loss))(params, batch)
-    out[impl] = [float(value), [np.asarray(g).tolist() for g in jax.tree.leaves(grads)]]
-print("RESULT " + json.dumps(out))
-"""
-
-
-def test_splash_under_a_mesh_matches_dense():
-    """On a (data 2, tensor 2) mesh of 4 CPU devices splash runs inside shard_map (rows over
-    data, heads over tensor): the MARS loss and gradients equal dense attention's."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][7:])
-    (dense_loss, dense_grads), (splash_loss, splash_grads) = result["xla"], result["splash"]
-    assert splash_loss == pytest.approx(dense_loss, rel=1e-6)
-    scale = max(np.abs(np.asarray(g)).max() for g in dense_grads)
-    for g, r in zip(splash_grads, dense_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-5 * scale)

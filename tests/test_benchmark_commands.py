@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, python_env, run_python, tiny_config
 
 pytestmark = pytest.mark.subprocess
 
@@ -37,16 +34,8 @@ SMALL_MODEL = [
 
 def run(*args: str, pythonpath: bool = True, timeout: int = 300) -> str:
     """``[PYTHONPATH=.] python ARGS`` in the repository root on CPU; its stdout (exit code 0)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"}
-    env.pop("PYTHONPATH", None)
-    if pythonpath:
-        env["PYTHONPATH"] = "."
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
-    return proc.stdout
+    env = python_env(PYTHONPATH="." if pythonpath else None)
+    return run_python(*args, env=env, timeout=timeout).stdout
 
 
 def header_and_body(text: str, title_prefix: str) -> tuple[list[str], list[list[str]]]:
@@ -132,14 +121,14 @@ SMOKE_BLOCK, SMOKE_STEPS = 2, 6  # accelerator.sh --smoke's B and forwards per p
 def accelerator(tmp_path_factory):
     """The prepared accelerator run on CPU at its smoke setting: its output directory."""
     out = tmp_path_factory.mktemp("accelerator")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"}
-    env.pop("PYTHONPATH", None)
     proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--smoke", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=python_env(PYTHONPATH=None), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 
+@pytest.mark.slow
 def test_accelerator_parts(accelerator):
     parts = [json.loads(line) for line in (accelerator / "parts.jsonl").read_text().splitlines()]
     assert [p["part"] for p in parts] == ["decode_step_tiny", "transformers", "train_step"]
@@ -149,6 +138,7 @@ def test_accelerator_parts(accelerator):
         assert f"## {p['part']}" in summary and p["command"] in summary
 
 
+@pytest.mark.slow
 def test_train_step(accelerator):
     """benchmarks/train_step.py (the README's command) at one timed step of a shrunk tiny model
     on a small batch and length; the peak measured with a small matmul."""
@@ -171,6 +161,7 @@ def test_train_step(accelerator):
     assert [r[0] for r in body] == ["ar", "mars"]
 
 
+@pytest.mark.slow
 def test_decode_step(accelerator):
     """decode_speed.py --accept (benchmarks/decode_step.py) on the tiny shape, B = 2, K = 1 and
     2. 6 forwards per program: a whole number of the block mode's cycles (ceil(B / K) fills and
@@ -195,6 +186,7 @@ def test_decode_step(accelerator):
     assert len(header_and_body(md, "JAX ")[1]) == len(rows)
 
 
+@pytest.mark.slow
 def test_transformers_beside_our_decoders(accelerator):
     rows = [json.loads(line) for line in
             (accelerator / "transformers" / "decode_speed.jsonl").read_text().splitlines()]
@@ -226,6 +218,7 @@ def soak(tmp_path_factory):
     return out, output, workdir
 
 
+@pytest.mark.slow
 def test_soak(soak):
     out, output, workdir = soak
     summary = json.loads(output.read_text())
@@ -254,6 +247,7 @@ def test_soak(soak):
     assert (workdir / "config.json").exists() and (workdir / "checkpoints").is_dir()
 
 
+@pytest.mark.slow
 def test_decode_speed(soak, tmp_path):
     """decode_speed's command (model "trained") on the soak's checkpoint: one prompt of 4 tokens
     at batch 1 and one threshold, AR, one MARS decoder and transformers' generate."""
@@ -309,12 +303,7 @@ def test_train_call_memory():
 def test_hf_load_memory(tmp_path):
     """The docstring's command (no PYTHONPATH: the script puts the repository on sys.path) on
     configs/tiny.py's architecture: a 1-file bf16 checkpoint, loaded four ways."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    m = tiny.get_config().model
+    m = tiny_config().model
     layer = (m.hidden_size * m.num_heads * m.head_dim + m.num_heads * m.head_dim
              + 2 * (m.hidden_size * m.num_kv_heads * m.head_dim + m.num_kv_heads * m.head_dim)
              + m.num_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size

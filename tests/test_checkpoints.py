@@ -20,7 +20,8 @@ from flax import nnx
 
 from mars_jax import settings, train
 from mars_jax import workdir as wd
-from train_runs import ROOT, cli_flags, flat_params, get_config, subprocess_env
+from conftest import python_env
+from train_runs import ROOT, cli_flags, flat_params, get_config
 
 
 def tiny_state(seed: int) -> wd.TrainState:
@@ -227,7 +228,7 @@ def run_until(workdir, log, event=None) -> int:
     SIGKILL as soon as ``event()`` holds (polled every 2 ms; it must still be running then).
     Returns the exit status."""
     with open(log, "w") as err:
-        proc = subprocess.Popen(train_command(workdir), cwd=ROOT, env=subprocess_env(),
+        proc = subprocess.Popen(train_command(workdir), cwd=ROOT, env=python_env(),
                                 stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.time() + TIMEOUT_S
     try:
@@ -278,6 +279,8 @@ def assert_same_run(workdir, straight):
     assert [m["loss"] for m in resumed] == [m["loss"] for m in expected]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_kill_9_during_a_save_and_between_steps_then_resume(straight, tmp_path):
     """SIGKILL while the step-4 save is in flight, then (rerun) once step 5 is logged; the third
     run ends with the parameters, data position and losses of an uninterrupted run, bitwise."""

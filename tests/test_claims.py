@@ -9,10 +9,13 @@ from experiments import claims, claims_config
 def test_run_configs_cover_the_three_claims():
     exp = claims_config.get_config("synthetic")
     runs = claims.run_configs(exp)
-    first = f"mars_b{exp.block_sizes[0]}_ar1"
-    assert list(runs) == ["stage1", "ar_control"] + [
-        f"mars_b{b}_ar{w:g}" for b in exp.block_sizes for w in exp.ar_weights
-    ] + [f"{first}_seed{s}" for s in exp.extra_seeds]
+    # Block sizes 4, 8 and 16, each with and without the AR loss, and the first again with seed 1.
+    assert (exp.block_sizes, exp.ar_weights, exp.extra_seeds) == ((4, 8, 16), (1.0, 0.0), (1,))
+    assert list(runs) == [
+        "stage1", "ar_control", "mars_b4_ar1", "mars_b4_ar0", "mars_b8_ar1", "mars_b8_ar0",
+        "mars_b16_ar1", "mars_b16_ar0", "mars_b4_ar1_seed1",
+    ]
+    first = "mars_b4_ar1"
     # The epoch-matched control trains as long as each MARS run, with the AR objective.
     assert runs["stage1"].train.num_steps == exp.stage1_steps
     assert runs["ar_control"].train.num_steps == exp.stage2_steps

@@ -2,31 +2,13 @@
 bad input is one line `error: ...` with exit status 1, and library errors keep their traceback."""
 
 import ast
-import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import run_python, tiny_config
 from mars_jax import cli, data, generate
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_module(module, *args):
-    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
-def tiny_config(stage):
-    spec = importlib.util.spec_from_file_location("_tiny_cli", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(stage).to_dict()
 
 
 def leaves(tree, prefix=""):
@@ -40,18 +22,20 @@ def leaves(tree, prefix=""):
     return out
 
 
+@pytest.mark.subprocess
 def test_help_exits_0_and_lists_show_config():
-    proc = run_module("mars_jax.train", "--help")
+    proc = run_python("-m", "mars_jax.train", "--help", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for flag in ("--config:", "--workdir:", "--[no]show_config:"):
         assert flag in proc.stdout, proc.stdout
 
 
+@pytest.mark.subprocess
 def test_show_config_prints_every_key_with_overrides():
-    proc = run_module("mars_jax.train", "--config=configs/tiny.py:mars", "--show_config",
+    proc = run_python("-m", "mars_jax.train", "--config=configs/tiny.py:mars", "--show_config",
                       "--config.train.batch_size=8", "--config.mesh.rules.embed=('data','fsdp')")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = leaves(tiny_config("mars"))
+    expected = leaves(tiny_config("mars").to_dict())
     expected["train.batch_size"] = 8
     expected["mesh.rules.embed"] = ("data", "fsdp")
     printed = {}
@@ -62,30 +46,36 @@ def test_show_config_prints_every_key_with_overrides():
     assert list(printed) == sorted(printed)
 
 
+@pytest.mark.subprocess
 def test_show_config_needs_no_workdir_but_a_run_does():
-    proc = run_module("mars_jax.evaluate", "--show_config", "--config.eval.rule=verify")
+    proc = run_python("-m", "mars_jax.evaluate", "--show_config", "--config.eval.rule=verify",
+                      check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval.rule = 'verify'" in proc.stdout.splitlines()
-    proc = run_module("mars_jax.evaluate")
+    proc = run_python("-m", "mars_jax.evaluate", check=False)
     assert proc.returncode == 1
     assert "flag --workdir is required" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.subprocess
 def test_bad_input_is_one_line(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": 3}) + "\n")
-    proc = run_module("mars_jax.generate", f"--workdir={tmp_path}", f"--prompts_file={prompts}")
+    proc = run_python("-m", "mars_jax.generate", f"--workdir={tmp_path}",
+                      f"--prompts_file={prompts}", check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"error: {prompts}: row 2: 'prompt' must be a string, got 3"
     ], proc.stderr[-3000:]
-    proc = run_module("mars_jax.export", f"--workdir={tmp_path}", f"--output={tmp_path}/hf")
+    proc = run_python("-m", "mars_jax.export", f"--workdir={tmp_path}", f"--output={tmp_path}/hf",
+                      check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path}/model.json not found: {tmp_path} is not a mars-jax run directory"
     ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    proc = run_module("mars_jax.train", "--config=configs/nope.py", f"--workdir={tmp_path}")
+    proc = run_python("-m", "mars_jax.train", "--config=configs/nope.py", f"--workdir={tmp_path}",
+                      check=False)
     assert proc.returncode == 1
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("error: --config: ") and "No such file or directory" in line, line

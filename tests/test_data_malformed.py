@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from configs import tiny
+from conftest import tiny_config
 from mars_jax import data, settings, train
 from mars_jax.tokenizer import IM_END_ID, load_tokenizer
 
@@ -362,7 +362,7 @@ def test_config_key_reaches_training_data(tmp_path, tok):
     rows = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(3)]
     path = tmp_path / "train.jsonl"
     path.write_bytes(line(rows[0]) + b"\n{oops\n" + line(rows[1]) + b"\n" + line(rows[2]) + b"\n")
-    cfg = tiny.get_config()
+    cfg = tiny_config()
     cfg.data.update(source="gsm8k", train_path=str(path), max_bad_fraction=0.25)
     examples = train.load_train_examples(cfg, tok)
     assert [tok.decode(ids[labels != data.IGNORE_INDEX]) for ids, labels, _ in examples] == [
@@ -381,7 +381,7 @@ def test_config_key_reaches_training_data(tmp_path, tok):
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
 def test_max_bad_fraction_setting(value):
-    cfg = tiny.get_config()
+    cfg = tiny_config()
     cfg.data.max_bad_fraction = value
     with pytest.raises(settings.SettingError, match=r"^data\.max_bad_fraction=.*\[0, 1\]"):
         settings.check(cfg)

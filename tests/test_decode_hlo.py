@@ -7,14 +7,11 @@ The vmapped dynamic_update_slice / dynamic_slice that these replaced do compile 
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import python_env, run_python
+
 LAYERS = 2  # configs/tiny.py
 ROWS = 12  # rows per device (12 on one chip, 3 on four) differ from the layers and windows
 
@@ -31,21 +28,12 @@ pytestmark = [
 def compile_rows(topology: str, *extra: str) -> list[dict]:
     """The script's JSON rows for the tiny model, R = 12, S = 64, T = 1 and 7 (AR, MARS B = 4);
     ``extra`` flags replace the defaults."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "JAX_PLATFORMS": "cpu",
-        "TPU_SKIP_MDS_QUERY": "1",
-        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # compile only: no chip, no lock file needed
-    }
-    out = subprocess.run(
-        [sys.executable, "benchmarks/decode_hlo.py", "--config=configs/tiny.py",
-         f"--topology={topology}", f"--rows={ROWS}", "--slots=64", "--windows=1,7",
-         "--writes=model,vmap_dus", "--reads=model,vmap_ds", "--cpu_repeats=0", "--json",
-         *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    env = python_env(ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # compile only: no chip, no lock file needed
+    out = run_python(
+        "benchmarks/decode_hlo.py", "--config=configs/tiny.py", f"--topology={topology}",
+        f"--rows={ROWS}", "--slots=64", "--windows=1,7", "--writes=model,vmap_dus",
+        "--reads=model,vmap_ds", "--cpu_repeats=0", "--json", *extra, env=env,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -91,6 +79,7 @@ def test_rows_stay_local_on_v5e_2x2():
     assert sorted(lp["bound"] for lp in old["loops"]) == sorted([LAYERS, ROWS // 4, ROWS // 4])
 
 
+@pytest.mark.slow  # 90-100 s each on a shared 2-core CPU
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v5e:2x2"])
 def test_whole_decoders_have_no_row_loop(topology):
     """Every decoder, lowered whole (prefill, step loop, output): its loops are the step loop

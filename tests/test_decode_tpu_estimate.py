@@ -6,14 +6,11 @@ what they are computed from."""
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, python_env, run_python
 
 pytestmark = [
     pytest.mark.tpu_compile,
@@ -27,13 +24,9 @@ BLOCK = 2
 @pytest.fixture(scope="module")
 def estimate(tmp_path_factory):
     out = tmp_path_factory.mktemp("tpu_estimate")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "PYTHONPATH": "."}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/decode_tpu_estimate.py", "--shape=tiny",
-         "--topology=v5e:1x1", "--tensor=1", "--batch_sizes=1", f"--block_sizes={BLOCK}",
-         "--prompt_len=16", "--max_new_tokens=8", f"--output_dir={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_python("benchmarks/decode_tpu_estimate.py", "--shape=tiny", "--topology=v5e:1x1",
+               "--tensor=1", "--batch_sizes=1", f"--block_sizes={BLOCK}", "--prompt_len=16",
+               "--max_new_tokens=8", f"--output_dir={out}", env=python_env(PYTHONPATH="."))
     lines = (out / "decode_tpu_estimate.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     return rows, (out / "decode_tpu_estimate.md").read_text()

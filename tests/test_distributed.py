@@ -48,23 +48,18 @@ OVERRIDES = {
 # run in argv[1]; with argv[3] == "interrupt" it stops right after the step-2 checkpoint and
 # calls train.train again in the same process (distributed.initialize is then a no-op).
 DRIVER = r"""
-import importlib.util, json, sys
+import json, sys
 from absl import logging
 from mars_jax import train, workdir as wd
 
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+
 workdir, settings, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-spec = importlib.util.spec_from_file_location("tiny", "configs/tiny.py")
-tiny = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tiny)
 
 
 def config():
-    cfg = tiny.get_config("ar")
-    for key, value in settings.items():
-        section, leaf = key.split(".")
-        assert leaf in cfg[section], key
-        cfg[section][leaf] = value
-    return cfg
+    return tiny_config("ar", settings)
 
 
 class Interrupted(Exception):
@@ -185,6 +180,8 @@ def max_diff(a, b):
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_processes_resume_and_write_once(runs):
     two, _, logs, seconds = runs
     print(f"two-process launch (3 steps, interrupted and resumed): {seconds:.1f} s")
@@ -200,6 +197,8 @@ def test_two_processes_resume_and_write_once(runs):
     assert "step 3/3" in logs["single.log"] and "distributed runtime" not in logs["single.log"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_processes_equal_one_process(runs):
     two, one, _, _ = runs
     m2, m1 = read_metrics(two), read_metrics(one)

@@ -140,9 +140,9 @@ def test_accuracy_compares_numbers():
 def test_thresholds_outside_0_1_are_refused_before_loading(thresholds, tmp_path):
     # The workdir does not exist: the thresholds are checked before the checkpoint is loaded
     # (which would raise FileNotFoundError), and the message names the config field.
-    from configs import tiny
+    from conftest import tiny_config
 
-    cfg = tiny.get_config()
+    cfg = tiny_config()
     cfg.eval.thresholds = thresholds
     with pytest.raises(ValueError, match=r"eval\.thresholds"):
         evaluate.evaluate(cfg, str(tmp_path / "no_run"))

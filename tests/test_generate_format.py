@@ -1,9 +1,10 @@
 """The plain-text output of ``python -m mars_jax.generate`` (no model: `complete` is stubbed)."""
 
-import subprocess
-import sys
 import textwrap
 
+import pytest
+
+from conftest import run_python
 from mars_jax import generate
 
 RESULTS = [
@@ -24,6 +25,7 @@ def test_several_completions_are_separated_and_headed():
     assert generate.format_text(RESULTS[:1]) == "84\nso 84"
 
 
+@pytest.mark.subprocess
 def test_the_cli_prints_the_formatted_text(tmp_path):
     # generate.main with complete() stubbed: the CLI path prints format_text's output.
     script = textwrap.dedent(
@@ -35,7 +37,5 @@ def test_the_cli_prints_the_formatted_text(tmp_path):
         generate.main()
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
-    )
+    proc = run_python("-c", script)
     assert proc.stdout == generate.format_text(RESULTS) + "\n"

@@ -10,8 +10,6 @@ import json
 import pickle
 import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -25,7 +23,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from conftest import make_hf_model
+from conftest import make_hf_model, run_python
 from mars_jax import data, huggingface, sharding
 from mars_jax import tokenizer as T
 from mars_jax.model import ModelConfig, Qwen2
@@ -127,6 +125,7 @@ def test_an_index_naming_a_pickle_shard_is_refused(tmp_path, no_unpickling):
     assert not marker.exists()
 
 
+@pytest.mark.subprocess
 def test_the_conversion_command_in_the_message_converts_a_pytorch_checkpoint(tmp_path):
     """A genuine ``torch.save`` checkpoint: the command our error prints turns it into one
     that loads to the same parameters as transformers' own safetensors of that model."""
@@ -138,8 +137,7 @@ def test_the_conversion_command_in_the_message_converts_a_pytorch_checkpoint(tmp
     with pytest.raises(FileNotFoundError) as err:
         huggingface.load_hf(str(ckpt))
     command = re.fullmatch(r'.*: python -c "(.*)"', str(err.value)).group(1)
-    subprocess.run([sys.executable, "-c", command], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_python("-c", command, timeout=300)
     converted = jax.tree.leaves(nnx.state(huggingface.load_hf(str(ckpt)), nnx.Param))
     expected = jax.tree.leaves(nnx.state(huggingface.load_hf(str(plain)), nnx.Param))
     assert len(converted) == len(expected) > 0

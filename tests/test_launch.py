@@ -8,7 +8,10 @@ import os
 import re
 import shlex
 import subprocess
-import sys
+
+import pytest
+
+from conftest import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBED = "--config.mesh.rules.embed=('fsdp','tensor')"
@@ -16,13 +19,10 @@ DATA = "--config.data.train_path=/data/my sft.jsonl"
 
 
 def xm_dry_run(*flags: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "launch/xm_launch.py", "--dry_run", *flags],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-    ).stdout
-    return json.loads(out)
+    return json.loads(run_python("launch/xm_launch.py", "--dry_run", *flags, timeout=60).stdout)
 
 
+@pytest.mark.subprocess
 def test_xm_dry_run_tpu_both_stages():
     spec = xm_dry_run(
         "--config=configs/qwen7b.py", "--workdir=/shared/runs/q7", "--tpu=v5e",
@@ -45,6 +45,7 @@ def test_xm_dry_run_tpu_both_stages():
     ]
 
 
+@pytest.mark.subprocess
 def test_xm_dry_run_gpu_one_stage():
     spec = xm_dry_run(
         "--config=configs/qwen0_5b.py", "--workdir=/shared/runs/q05", "--gpu=a100",
@@ -58,16 +59,16 @@ def test_xm_dry_run_gpu_one_stage():
     assert job["argv"][3:] == ["--config=configs/qwen0_5b.py:ar", "--workdir=/shared/runs/q05", DATA]
 
 
+@pytest.mark.subprocess
 def test_xm_rejects_flags_that_are_not_config_overrides():
-    run = subprocess.run(
-        [sys.executable, "launch/xm_launch.py", "--dry_run", "--config=configs/tiny.py",
-         "--workdir=w", "--gpu=a100", "--", "--workdir=other"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    run = run_python("launch/xm_launch.py", "--dry_run", "--config=configs/tiny.py",
+                     "--workdir=w", "--gpu=a100", "--", "--workdir=other", timeout=60,
+                     check=False)
     assert run.returncode != 0
     assert "only --config.KEY=VALUE overrides" in run.stderr
 
 
+@pytest.mark.subprocess
 def test_tpu_vm_dry_run_commands():
     env = dict(os.environ, NAME="mars-pod", ZONE="us-west4-a", ACCELERATOR_TYPE="v5litepod-16",
                RUNTIME_VERSION="v2-alpha-tpuv5-lite", PROJECT="proj")

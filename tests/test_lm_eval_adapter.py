@@ -10,8 +10,6 @@ the ``lm_eval`` CLI, reached through the adapter's wrapper, runs a local GSM8K-s
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -22,6 +20,7 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import python_env, run_python
 from decode_oracles import CFG, make_model, swap_head_columns
 from mars_jax import decode, huggingface, sharding, vocab
 from mars_jax import workdir as wd
@@ -257,6 +256,8 @@ metadata:
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_lm_eval_cli_runs_a_local_gsm8k_task(lm, run_dir, tmp_path):
     source = SHARED_DATA / "gsm8k" / "test.jsonl"
     if not source.exists():
@@ -267,17 +268,15 @@ def test_lm_eval_cli_runs_a_local_gsm8k_task(lm, run_dir, tmp_path):
     (tmp_path / "tasks" / "gsm8k_local.yaml").write_text(
         TASK_YAML.format(data=tmp_path / "gsm8k.jsonl")
     )
-    env = {
-        **os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"),
-        "JAX_PLATFORMS": "cpu",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "mars_jax.lm_eval_adapter", "--model", "mars_jax",
-         "--model_args", f"workdir={run_dir},threshold=1.0", "--batch_size", "2",
-         "--tasks", "gsm8k_local", "--include_path", str(tmp_path / "tasks"), "--limit", "3",
-         "--output_path", str(tmp_path / "out"), "--log_samples"],
-        env=env, check=True, timeout=420, capture_output=True, text=True,
+    env = python_env(
+        HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+        HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"),
+    )
+    run_python(
+        "-m", "mars_jax.lm_eval_adapter", "--model", "mars_jax",
+        "--model_args", f"workdir={run_dir},threshold=1.0", "--batch_size", "2",
+        "--tasks", "gsm8k_local", "--include_path", str(tmp_path / "tasks"), "--limit", "3",
+        "--output_path", str(tmp_path / "out"), "--log_samples", env=env, timeout=420,
     )
     (results,) = (tmp_path / "out").glob("*/results_*.json")
     report = json.loads(results.read_text())

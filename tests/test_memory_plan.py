@@ -3,14 +3,11 @@ topology through libtpu, in a subprocess on CPU (skipped where libtpu is not ins
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import python_env, run_python, tiny_config
+
 GiB = 1 << 30
 
 pytestmark = [
@@ -21,14 +18,6 @@ pytestmark = [
         reason='libtpu is not installed (pip install "jax[tpu]" at the installed jax version)',
     ),
 ]
-
-
-def tiny_config(stage: str):
-    """configs/tiny.py's config for ``stage`` (loaded by path, as the script loads it)."""
-    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(stage)
 
 
 def tiny_param_count(m) -> int:
@@ -43,22 +32,14 @@ def tiny_param_count(m) -> int:
 
 
 def test_tiny_plan_on_v5e_2x2():
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "JAX_PLATFORMS": "cpu",
-        "TPU_SKIP_MDS_QUERY": "1",
-        # Compile only: no chip is opened, so the plan must not take libtpu's lock file from
-        # (or be refused by) any other process using libtpu.
-        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-    }
-    out = subprocess.run(
-        [sys.executable, "launch/memory_plan.py", "--config=configs/tiny.py:mars",
-         "--topology=v5e:2x2", "--grad_accum_steps=1,3", "--remat=none",
-         "--config.objective.max_label_tokens=64", "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    # Compile only: no chip is opened, so the plan must not take libtpu's lock file from (or be
+    # refused by) any other process using libtpu.
+    env = python_env(ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    out = run_python(
+        "launch/memory_plan.py", "--config=configs/tiny.py:mars", "--topology=v5e:2x2",
+        "--grad_accum_steps=1,3", "--remat=none", "--config.objective.max_label_tokens=64",
+        "--json", env=env,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2
 

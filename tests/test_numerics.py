@@ -2,12 +2,10 @@
 loop counts and logs the skip with its batch's source rows, and stops after
 train.max_consecutive_skips skips in a row; row ids travel with the data."""
 
-import importlib.util
 import json
 import math
 import os
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +14,11 @@ import optax
 import pytest
 from flax import nnx
 
+from conftest import tiny_config
 from mars_jax import data, objectives, settings, train, train_step
 from mars_jax import workdir as wd
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def leaf_bytes(tree):
@@ -105,24 +102,14 @@ NUM_STEPS = 6
 POISONED = (1, 3, 4)  # batch positions (steps 2, 4 and 5) that get a marked example
 
 
-def tiny_config(**overrides):
-    """configs/tiny.py (stage ar) shrunk to a few seconds a step; ``overrides`` "a.b": value."""
-    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config("ar")
-    base = {
-        "train.num_steps": NUM_STEPS, "train.batch_size": 4, "train.log_every": 1,
-        "train.save_every": 1, "train.max_to_keep": 10, "train.learning_rate": LR,
-        "train.max_consecutive_skips": 2, "data.num_synthetic_train": 32,
-        "model.num_layers": 1, "model.hidden_size": 32, "model.intermediate_size": 64,
-        "model.head_dim": 8,
-    }
-    for key, value in {**base, **overrides}.items():
-        section, leaf = key.split(".")
-        assert leaf in cfg[section], key
-        cfg[section][leaf] = value
-    return cfg
+# configs/tiny.py (stage ar) shrunk to a few seconds a step.
+SMALL_RUN = {
+    "train.num_steps": NUM_STEPS, "train.batch_size": 4, "train.log_every": 1,
+    "train.save_every": 1, "train.max_to_keep": 10, "train.learning_rate": LR,
+    "train.max_consecutive_skips": 2, "data.num_synthetic_train": 32,
+    "model.num_layers": 1, "model.hidden_size": 32, "model.intermediate_size": 64,
+    "model.head_dim": 8,
+}
 
 
 def flat_params(workdir, step):
@@ -135,7 +122,7 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
     finite, so only the loss check can catch it). With max_consecutive_skips 2: step 2 is
     skipped, step 3 trains, steps 4 and 5 are skipped and the run stops at step 5. Resumed with
     max_consecutive_skips 0, it skips step 5 again and finishes."""
-    cfg = tiny_config()
+    cfg = tiny_config("ar", SMALL_RUN)
     examples = {}
 
     def marked_examples(cfg, tok):
@@ -208,7 +195,7 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
 
     # Resuming with the limit changed (allowed) and 0 (never stop): step 5 skips again.
     caplog.clear()
-    last = train.train(tiny_config(**{"train.max_consecutive_skips": 0}), workdir)
+    last = train.train(tiny_config("ar", SMALL_RUN, train__max_consecutive_skips=0), workdir)
     assert last["step"] == NUM_STEPS and last["skipped"] == 0 and last["skipped_steps"] == 3
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -218,7 +205,7 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
 
 
 def test_max_consecutive_skips_setting_is_checked():
-    cfg = tiny_config()
+    cfg = tiny_config("ar", SMALL_RUN)
     settings.check(cfg)
     cfg.train.max_consecutive_skips = -1
     with pytest.raises(settings.SettingError, match=r"^train\.max_consecutive_skips=-1: "):

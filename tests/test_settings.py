@@ -2,32 +2,16 @@
 value, raised before any data is read (where possible) or anything is compiled."""
 
 import importlib
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 
+from conftest import ROOT, run_python, tiny_config
 from mars_jax import settings, train
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def tiny(stage="ar", **overrides):
-    """configs/tiny.py with ``overrides`` ("a__b" = "a.b")."""
-    spec = importlib.util.spec_from_file_location("_tiny_settings", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config(stage)
-    for key, value in overrides.items():
-        *parents, leaf = key.split("__")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+tiny = tiny_config  # configs/tiny.py with overrides ("a__b" = "a.b")
 
 
 def one_line_error(exc_info, *parts):
@@ -154,11 +138,10 @@ def test_train_checks_before_compiling(tmp_path, monkeypatch):
 
 
 def _cli(*args):
-    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "mars_jax.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return run_python("-m", "mars_jax.train", *args, check=False)
 
 
+@pytest.mark.subprocess
 def test_cli_config_typo_is_one_line(tmp_path):
     proc = _cli(f"--workdir={tmp_path}", "--config.train.nonsense=1")
     assert proc.returncode != 0
@@ -174,6 +157,7 @@ def test_cli_config_typo_is_one_line(tmp_path):
     ), proc.stderr[-3000:]
 
 
+@pytest.mark.subprocess
 def test_cli_bad_setting_is_one_line(tmp_path):
     proc = _cli(f"--workdir={tmp_path}", "--config.objective.block_size=5")
     assert proc.returncode != 0

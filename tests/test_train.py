@@ -25,21 +25,8 @@ from mars_jax import data, decode, evaluate, export, generate, objectives, train
 from mars_jax import workdir as wd
 from mars_jax.model import Qwen2, causal_mask
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
-from train_runs import LR, ROOT, cli_flags, flat_params, get_config, subprocess_env
-
-
-def run_cli(module, *args, check=True):
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+from conftest import python_env, run_python
+from train_runs import LR, ROOT, cli_flags, flat_params, get_config
 
 
 def read_metrics(workdir):
@@ -166,7 +153,7 @@ def interrupt(workdir, sig, when="metrics.jsonl", timeout=120):
     """Starts the train command, sends ``sig`` once the file ``when`` of the workdir is not
     empty (metrics.jsonl: after the first step; config.json: during the setup, before anything
     is compiled), waits for it to exit: returns (exit code, stderr)."""
-    proc = subprocess.Popen(train_cli(workdir), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(train_cli(workdir), cwd=ROOT, env=python_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     marker, deadline = os.path.join(workdir, when), time.time() + timeout
     try:
@@ -210,13 +197,15 @@ def stop_by_signal(workdir, sig, when="metrics.jsonl") -> int:
     return saved
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_sigterm_saves_the_step_and_the_rerun_resumes(straight_preempt_run, tmp_path):
     """SIGTERM to `python -m mars_jax.train` after its first step stops it (see
     `stop_by_signal`); the same command then resumes from the saved step and ends with the
     straight run's parameters, bitwise."""
     workdir = str(tmp_path / "run")
     saved = stop_by_signal(workdir, signal.SIGTERM)
-    proc = run_cli("mars_jax.train", *train_cli(workdir)[3:])
+    proc = run_python(*train_cli(workdir)[1:])
     assert f"resuming {workdir} from its checkpoint of step {saved}" in proc.stderr
     a, _, step_a = wd.load_model(workdir)
     b, _, step_b = wd.load_model(straight_preempt_run)
@@ -224,6 +213,7 @@ def test_sigterm_saves_the_step_and_the_rerun_resumes(straight_preempt_run, tmp_
     assert_same_params(a, b, atol=0)
 
 
+@pytest.mark.subprocess
 def test_sigint_during_setup_saves_the_first_step(tmp_path):
     """Ctrl-C (SIGINT) stops the run the same way (resuming is the SIGTERM test's), also when it
     comes during the setup, before the first step: the run stops after step 1 and saves it."""
@@ -349,10 +339,11 @@ def test_init_from_hf_directory(hf_run):
 # Command lines.
 
 
+@pytest.mark.subprocess
 def test_cli_rejects_unknown_config_key(tmp_path):
     workdir = tmp_path / "never"
-    proc = run_cli(
-        "mars_jax.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+    proc = run_python(
+        "-m", "mars_jax.train", "--config=configs/tiny.py", f"--workdir={workdir}",
         "--config.train.nope=1", check=False,
     )
     assert proc.returncode != 0
@@ -414,9 +405,11 @@ def test_evaluate_in_process(stage1, evaluation):
     assert report["ar_nll"] == pytest.approx(np.mean(nll), rel=1e-4)
 
 
+@pytest.mark.subprocess
 def test_evaluate_cli_writes_the_in_process_report(stage1, evaluation):
     workdir, _, _ = stage1
-    run_cli("mars_jax.evaluate", "--config=configs/tiny.py", f"--workdir={workdir}", *cli_flags())
+    run_python("-m", "mars_jax.evaluate", "--config=configs/tiny.py", f"--workdir={workdir}",
+               *cli_flags())
     with open(os.path.join(workdir, "eval.json")) as f:
         cli_report = json.load(f)
     expected = evaluation[0]
@@ -426,6 +419,7 @@ def test_evaluate_cli_writes_the_in_process_report(stage1, evaluation):
     assert cli_report == expected
 
 
+@pytest.mark.subprocess
 def test_entry_modules_import_together():
     """Flags are defined only when a module runs as a program: every module of the package and
     the benchmark import into one process (absl would raise DuplicateFlagError otherwise)."""
@@ -438,15 +432,12 @@ def test_entry_modules_import_together():
         "assert 'config' not in flags.FLAGS and 'workdir' not in flags.FLAGS\n"
         "print(sorted(names))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python("-c", code)
     for name in ("train", "evaluate", "generate", "export", "train_step", "huggingface"):
         assert f"'{name}'" in proc.stdout
 
 
+@pytest.mark.subprocess
 def test_generate_in_process_and_cli(stage1, tmp_path):
     workdir, _, _ = stage1
     questions = ["What is 12 * 7?", "Tom has 3 apples and buys 4 more. How many now?"]
@@ -470,8 +461,8 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
         )
         assert len(obj["tokens"]) <= 8
 
-    proc = run_cli(
-        "mars_jax.generate", f"--workdir={workdir}", *[f"--prompt={q}" for q in questions],
+    proc = run_python(
+        "-m", "mars_jax.generate", f"--workdir={workdir}", *[f"--prompt={q}" for q in questions],
         "--threshold=0.9", "--max_new_tokens=8", "--json",
     )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -492,8 +483,8 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
         json.dumps({"prompt": questions[0]}) + "\n"
         + json.dumps({"prompt": questions[1], "threshold": 1.0}) + "\n"
     )
-    proc = run_cli(
-        "mars_jax.generate", f"--workdir={workdir}", f"--prompts_file={prompts_file}",
+    proc = run_python(
+        "-m", "mars_jax.generate", f"--workdir={workdir}", f"--prompts_file={prompts_file}",
         "--threshold=0.9", "--max_new_tokens=8", "--cache_mode=block", "--stream",
     )
     cli_chunks = [line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith("[")]
@@ -501,16 +492,17 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
         text = "".join(ast.literal_eval(t) for r, t in cli_chunks if r == f"[{i}]")
         assert text == obj["text"]
     prompts_file.write_text(json.dumps({"prompt": 7}) + "\n")
-    proc = run_cli("mars_jax.generate", f"--workdir={workdir}", f"--prompts_file={prompts_file}",
-                   check=False)
+    proc = run_python("-m", "mars_jax.generate", f"--workdir={workdir}",
+                      f"--prompts_file={prompts_file}", check=False)
     assert proc.returncode != 0 and f"{prompts_file}: row 1: 'prompt'" in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_export_cli_loads_in_transformers(hf_run, tmp_path):
     # The run initialised from a perturbed HF model: O(1) logits, non-zero biases.
     original, workdir = hf_run
     out = tmp_path / "hf_export"
-    run_cli("mars_jax.export", f"--workdir={workdir}", f"--output={out}")
+    run_python("-m", "mars_jax.export", f"--workdir={workdir}", f"--output={out}")
     # The library call writes the same weights and config.
     assert export.export_run(workdir, str(tmp_path / "in_process")) == 1
     files = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
@@ -550,11 +542,12 @@ def test_resume_refuses_a_changed_config(stage1):
     assert train.train(get_config("ar", eval__num_examples=8), workdir) == {}
 
 
+@pytest.mark.subprocess
 def test_help_lists_the_program_flags():
     for module, names in [("mars_jax.train", ("--config", "--workdir")),
                           ("mars_jax.evaluate", ("--config", "--workdir", "--step")),
                           ("mars_jax.generate", ("--workdir", "--prompt", "--threshold"))]:
-        proc = run_cli(module, "--help", check=False)  # absl's --help exits 1 (issue 9)
+        proc = run_python("-m", module, "--help", check=False)  # absl's --help exits 1 (issue 9)
         for name in names:
             assert name in proc.stdout, (module, name)
 

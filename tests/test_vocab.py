@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import tiny
+from conftest import tiny_config
 from mars_jax import data, decode, evaluate, export, generate, objectives, settings, train
 from mars_jax import train_step, vocab
 from mars_jax import workdir as wd
@@ -20,23 +20,18 @@ from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, lo
 CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
 
 
+TRIMMED_RUN = {
+    "data.trim_vocab": True, "data.num_synthetic_train": 16, "train.num_steps": 2,
+    "train.batch_size": 4, "train.log_every": 1, "model.num_layers": 1,
+    "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
+    "eval.num_examples": 3, "eval.batch_size": 4, "eval.max_new_tokens": 6,
+    "eval.thresholds": (1.0, 0.9), "eval.nll_examples": 3,
+}
+
+
 def get_config(stage="ar", **extra):
     """configs/tiny.py shrunk to a few seconds per run, trimmed; ``extra`` "a__b" = key "a.b"."""
-    cfg = tiny.get_config(stage)
-    overrides = {
-        "data.trim_vocab": True, "data.num_synthetic_train": 16, "train.num_steps": 2,
-        "train.batch_size": 4, "train.log_every": 1, "model.num_layers": 1,
-        "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
-        "eval.num_examples": 3, "eval.batch_size": 4, "eval.max_new_tokens": 6,
-        "eval.thresholds": (1.0, 0.9), "eval.nll_examples": 3,
-        **{k.replace("__", "."): v for k, v in extra.items()},
-    }
-    for key, value in overrides.items():
-        section, leaf = key.split(".") if "." in key else (None, key)
-        node = cfg[section] if section else cfg
-        assert leaf in node, key
-        node[leaf] = value
-    return cfg
+    return tiny_config(stage, TRIMMED_RUN, **extra)
 
 
 def saved_ids(workdir):

@@ -1,16 +1,12 @@
 """Shared helpers of the tests that run training (test_train, test_checkpoints): the tiny
-config shrunk further, as a ConfigDict or as command-line flags, and the environment of a
-`python -m mars_jax` subprocess."""
-
-import importlib.util
-import os
-from pathlib import Path
+config shrunk further, as a ConfigDict or as command-line flags."""
 
 import jax
 import numpy as np
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, tiny_config  # noqa: F401 (ROOT: for test_train, test_checkpoints)
+
 LR = 3e-3
 # Tiny overrides, applied in-process and as --config.<key>=<value> on the command lines.
 OVERRIDES = {
@@ -34,18 +30,7 @@ OVERRIDES = {
 
 def get_config(stage="ar", **extra):
     """configs/tiny.py's config for ``stage`` with OVERRIDES and ``extra`` ("a__b" = "a.b")."""
-    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config(stage)
-    for key, value in {**OVERRIDES, **{k.replace("__", "."): v for k, v in extra.items()}}.items():
-        *parents, leaf = key.split(".")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        assert leaf in node, key
-        node[leaf] = value
-    return cfg
+    return tiny_config(stage, OVERRIDES, **extra)
 
 
 def cli_flags():
@@ -55,11 +40,6 @@ def cli_flags():
         return "(" + ",".join(map(str, v)) + ")" if isinstance(v, tuple) else str(v)
 
     return [f"--config.{k}={fmt(v)}" for k, v in OVERRIDES.items()]
-
-
-def subprocess_env():
-    """This environment with the repository first on PYTHONPATH."""
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def flat_params(model):
