@@ -77,6 +77,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
 from mars_jax import cli, decode, model as model_lib, sharding  # noqa: E402
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Per-row writes: x [R, N, ...] with new [R, T, ...] at positions start[r] .. start[r] + T - 1.
@@ -560,8 +561,8 @@ def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_si
         cache_mode, rule = DECODERS[name]
         b = 1 if name == "ar" else block_size
         settings = decode.DecoderSettings(
-            block_size=b, max_new_tokens=max_new_tokens, eos_ids=decode.DEFAULT_EOS_IDS,
-            mask_id=decode.MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
+            block_size=b, max_new_tokens=max_new_tokens, eos_ids=DEFAULT_EOS_IDS,
+            mask_id=MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
             adaptive_window=True, mesh=mesh, rules=rules, on_accept=None,
         )
         scalar = lambda dtype: arg((), dtype, param_sharding)

@@ -48,6 +48,7 @@ from flax import nnx
 
 from mars_jax import decode
 from mars_jax.model import ModelConfig, abstract_model
+from mars_jax.tokenizer import MASK_ID
 
 MODES = ("ar", "sliding", "sliding_fixed", "block")
 SHAPES = ("tiny", "qwen0_5b", "qwen7b")
@@ -83,7 +84,7 @@ def make_decoder(graphdef, *, block_size: int, mode: str, max_new_tokens: int,
     """The `decode.Decoder` of ``mode`` (`MODES`; ``ar`` is block size 1), with no EOS."""
     return decode.Decoder(graphdef, decode.DecoderSettings(
         block_size=1 if mode == "ar" else block_size, max_new_tokens=max_new_tokens, eos_ids=(),
-        mask_id=decode.MASK_ID, sampling=False,
+        mask_id=MASK_ID, sampling=False,
         cache_mode="block" if mode == "block" else "sliding", rule="prob",
         adaptive_window=mode != "sliding_fixed", mesh=mesh, rules=rules, on_accept=None,
     ))

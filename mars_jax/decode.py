@@ -79,9 +79,8 @@ from mars_jax.model import (
     with_logical_constraint,
     write_rows,
 )
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
 
-DEFAULT_EOS_IDS = (IM_END_ID, ENDOFTEXT_ID)
 CACHE_MODES = ("sliding", "block", "none")
 
 

@@ -23,7 +23,7 @@ import os
 
 from absl import flags, logging
 
-from mars_jax import cli, evaluate, huggingface, workdir as wd
+from mars_jax import cli, huggingface, plots, workdir as wd
 from mars_jax.tokenizer import Tokenizer
 
 
@@ -88,7 +88,7 @@ def model_card(
     mars and qwen2), then the training block size, the mask token and id of ``tok``, the
     objective (name, ``ar_weight``, normalization) and ``init_from`` of ``run_config`` (the
     run's config.json as a dict), the recommended thresholds, the table of ``eval_report`` (the
-    run's eval.json, `evaluate.format_table`) when given, and how to decode with MARS
+    run's eval.json, `plots.format_table`) when given, and how to decode with MARS
     (`mars_jax.decode`, `mars_jax.generate`) or as plain AR with transformers' ``generate``.
     Raises KeyError for a run config without the objective's keys.
     """
@@ -133,7 +133,7 @@ def model_card(
     if eval_report is not None:
         lines += [
             f"## Evaluation (step {eval_report['step']})", "",
-            evaluate.format_table(eval_report), "",
+            plots.format_table(eval_report), "",
         ]
     lines += [
         "## Decoding with MARS", "",

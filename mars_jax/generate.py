@@ -27,7 +27,7 @@ import numpy as np
 from absl import flags
 
 from mars_jax import cli, data, decode, vocab, workdir as wd
-from mars_jax.tokenizer import Tokenizer
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, Tokenizer
 
 
 class TextStream:
@@ -83,7 +83,7 @@ def complete(
     directory that is not a run with a checkpoint, ValueError as `decode.generate`.
     """
     model, tok, _ = wd.load_model(workdir, step=step)
-    eos_ids = vocab.model_ids(tok, decode.DEFAULT_EOS_IDS)
+    eos_ids = vocab.model_ids(tok, DEFAULT_EOS_IDS)
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
         tok.apply_chat_template(

@@ -22,6 +22,7 @@ from flax import nnx
 
 from decode_oracles import MAX_NEW, make_batch, make_model
 from mars_jax import decode, sharding
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID
 
 rules = sharding.logical_rules()
 mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
@@ -50,7 +51,7 @@ for name, kw in {
 # The compiled sharded program carries the cache [L, R, S, K, H] per device as [L, R/4, S, K/2, H]:
 # rows over (data, fsdp), KV heads over tensor.
 settings = decode.DecoderSettings(
-    block_size=4, max_new_tokens=MAX_NEW, eos_ids=decode.DEFAULT_EOS_IDS, mask_id=decode.MASK_ID,
+    block_size=4, max_new_tokens=MAX_NEW, eos_ids=DEFAULT_EOS_IDS, mask_id=MASK_ID,
     sampling=False, cache_mode="sliding", rule="prob", adaptive_window=True, mesh=mesh,
     rules=rules, on_accept=None,
 )

@@ -26,7 +26,7 @@ from conftest import hf_logits, save_hf
 from decode_oracles import swap_head_columns
 from mars_jax import decode, evaluate, export, huggingface, sharding
 from mars_jax import workdir as wd
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID, MASK_TOKEN, load_tokenizer
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID, MASK_TOKEN, load_tokenizer
 
 QWEN_VOCAB = dict(
     vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -67,7 +67,7 @@ def test_generate_on_the_export_stops_where_our_decoder_stops(qwen_vocab, tmp_pa
     out = tmp_path / "export"
     huggingface.export_hf(stopped, str(out))
     generation = json.loads((out / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == [IM_END_ID, ENDOFTEXT_ID] == list(decode.DEFAULT_EOS_IDS)
+    assert generation["eos_token_id"] == [IM_END_ID, ENDOFTEXT_ID] == list(DEFAULT_EOS_IDS)
     assert (generation["pad_token_id"], generation["do_sample"]) == (ENDOFTEXT_ID, False)
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():

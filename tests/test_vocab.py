@@ -15,7 +15,7 @@ from configs import tiny
 from mars_jax import data, decode, evaluate, export, generate, objectives, settings, train
 from mars_jax import train_step, vocab
 from mars_jax import workdir as wd
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
 
 CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
 
@@ -333,7 +333,7 @@ def test_decode_speed_benchmark_speaks_a_trimmed_runs_ids(trimmed):
     (s,) = ds.build_subjects(["trained"], batch_sizes=[2], workdir=workdir, config=cfg,
                              num_prompts=2, max_new_tokens=4)
     vmap = vocab.VocabMap(saved_ids(workdir))
-    assert s.eos_ids == tuple(vmap.to_model(list(decode.DEFAULT_EOS_IDS)).tolist())
+    assert s.eos_ids == tuple(vmap.to_model(list(DEFAULT_EOS_IDS)).tolist())
     assert s.mask_id == int(vmap.to_model([MASK_ID])[0]) < len(vmap)
     assert s.pad_id == int(vmap.to_model([ENDOFTEXT_ID])[0])
     rows = ds.benchmark([s], batch_sizes=[2], thresholds=[0.9], repeats=1)
