@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from benchmarks import decode_hlo, decode_step, roofline  # noqa: E402
 from launch import memory_plan  # noqa: E402
 from mars_jax import cli, decode, sharding  # noqa: E402
-from mars_jax.model import CACHE_AXES  # noqa: E402
+from mars_jax.model import CACHE_AXES, abstract_params  # noqa: E402
 
 # Program -> (decode_step mode, Decoder.branch name, roofline mode).
 PROGRAMS = {
@@ -115,7 +115,7 @@ def estimate(*, shape: str, topology: str, tensor: int, batch_sizes: Sequence[in
     mesh = sharding.make_mesh(data=-1, tensor=tensor, devices=devices)
     rules = sharding.logical_rules()
     cfg = decode_step.model_config(shape, dtype, scan_layers=False)
-    graphdef, params = sharding.abstract_params(cfg, mesh, rules)
+    graphdef, params = abstract_params(cfg, mesh, rules)
     hw = next(h for h in roofline.ACCELERATORS
               if h.name == HARDWARE[topology.partition(":")[0]])
     rows = []

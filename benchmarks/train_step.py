@@ -46,7 +46,7 @@ import numpy as np
 from absl import flags
 
 from mars_jax import cli, data, sharding, train, train_step
-from mars_jax.model import ModelConfig
+from mars_jax.model import ModelConfig, abstract_params
 from mars_jax.tokenizer import MASK_ID
 
 
@@ -108,7 +108,7 @@ def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float,
                 for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))]
     obj = train_step.objective_settings(c, MASK_ID, examples)
     mesh, rules = sharding.mesh_from_config(c.mesh)
-    graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
+    graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, _ = train_step.optimizer(c, num_steps=1000)  # the schedule does not change the cost
     step = train_step.build_train_step(c, graphdef, abstract, obj, tx, mesh, rules)
     params = train.initial_params(c, model_cfg, abstract)

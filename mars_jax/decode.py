@@ -76,9 +76,9 @@ from mars_jax.model import (
     causal_mask,
     init_cache,
     read_rows,
-    with_logical_constraint,
     write_rows,
 )
+from mars_jax.sharding import with_logical_constraint
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
 
 CACHE_MODES = ("sliding", "block", "none")

@@ -365,7 +365,7 @@ def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.Sta
     """Reads a HF Qwen2 directory straight into the sharded layout ``abstract``.
 
     ``abstract`` is a parameter State of ``jax.ShapeDtypeStruct`` leaves with shardings (see
-    `mars_jax.sharding.abstract_params`); the result has the same tree with global
+    `mars_jax.model.abstract_params`); the result has the same tree with global
     ``jax.Array`` leaves of those shapes, dtypes (converted from the dtype on disk, e.g.
     bfloat16) and shardings. Each process reads from the safetensors files only the parts
     that its own devices hold, each distinct part once (devices holding the same part, e.g.

@@ -27,14 +27,14 @@ import dataclasses
 import functools
 from typing import Any
 
-import flax.core.spmd
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from mars_jax.attention import IMPLEMENTATIONS, attend
+from mars_jax.sharding import Rules, check_heads, param_shardings, with_logical_constraint
 
 KVCache = dict[str, jax.Array]  # {"k": [L, R, S, K, H], "v": [L, R, S, K, H]}, L layers
 # Logical axes of each KV cache array [L, R, S, K, H]: rows over the batch axes, KV heads over
@@ -363,17 +363,6 @@ _REMAT_POLICIES = {
 }
 
 
-def with_logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """``x`` constrained to the sharding its logical axis ``names`` get under the active flax
-    logical-axis rules (``nnx.logical_axis_rules``) on the active mesh
-    (``jax.sharding.use_abstract_mesh``); unchanged where no mesh is active (a single device) or a
-    name has no rule. The name follows MaxText's helper of the same role."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return x
-    rules = dict(flax.core.spmd.get_logical_axis_rules())
-    return jax.lax.with_sharding_constraint(x, P(*(rules.get(n) for n in names)))
-
-
 def _stacked(layers: list[DecoderLayer]) -> DecoderLayer:
     """One `DecoderLayer` whose parameters are those of ``layers`` stacked on a new leading axis
     (logical name "layers"), so each layer keeps the values it was initialised with."""
@@ -396,6 +385,22 @@ def abstract_model(cfg: ModelConfig) -> Qwen2:
     partitioning metadata; nothing is allocated. Split it with ``nnx.split`` for the graphdef
     and the abstract parameter State."""
     return nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh, rules: Rules):
+    """(graphdef, abstract parameter State) of the `Qwen2` of ``cfg`` placed on ``mesh``: each
+    leaf a ``jax.ShapeDtypeStruct`` with its NamedSharding under ``rules``; nothing allocated.
+
+    Raises ValueError as `mars_jax.sharding.check_heads` and
+    `mars_jax.sharding.param_shardings`.
+    """
+    check_heads(cfg.num_heads, cfg.num_kv_heads, mesh, rules)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    shardings = param_shardings(state, mesh, rules)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+    return graphdef, abstract
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> KVCache:

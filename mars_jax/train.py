@@ -42,7 +42,7 @@ from mars_jax import (
     workdir as wd,
 )
 from mars_jax.metrics import MetricsWriter
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.objectives import check_config
 from mars_jax.tokenizer import load_tokenizer
 
@@ -82,7 +82,7 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
     ``cfg.seed``), from a HF directory (each process reading only its devices' parts, see
     `huggingface.load_hf_sharded`), or from the latest checkpoint of another run."""
     if not cfg.init_from:
-        shardings = jax.tree.map(lambda x: x.sharding, abstract)
+        shardings = sharding.shardings_of(abstract)
         init = jax.jit(
             lambda: nnx.state(Qwen2(model_cfg, rngs=nnx.Rngs(cfg.seed))), out_shardings=shardings
         )
@@ -202,7 +202,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
 
     obj = train_step.objective_settings(cfg, tok.mask_id, examples)
     mesh, rules = sharding.mesh_from_config(cfg.mesh)
-    graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
+    graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, schedule = train_step.optimizer(cfg, num_steps)
     step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
     rows = distributed.process_rows(step.batch_sharding, t.batch_size)

@@ -61,7 +61,7 @@ def abstract_opt_state(tx: optax.GradientTransformation, abstract_params, mesh: 
     """``tx``'s state for ``abstract_params`` as ``jax.ShapeDtypeStruct`` leaves with shardings:
     per-parameter moments placed as their parameters, scalars (e.g. the step count) replicated.
     ``abstract_params`` carries the parameter shardings (``jax.eval_shape`` drops them)."""
-    param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    param_shardings = sharding.shardings_of(abstract_params)
     shapes = jax.eval_shape(tx.init, abstract_params)
     shardings = optax.tree_map_params(
         tx,
@@ -170,7 +170,7 @@ class TrainStep:
     @property
     def opt_state_shardings(self):
         """The optimizer state's NamedShardings (e.g. ``out_shardings`` of ``tx.init``)."""
-        return jax.tree.map(lambda x: x.sharding, self.abstract_opt_state)
+        return sharding.shardings_of(self.abstract_opt_state)
 
 
 def build_train_step(
@@ -180,7 +180,7 @@ def build_train_step(
 
     Args:
       cfg: run config (``train.batch_size``, ``train.grad_accum_steps``, ``data.max_length``).
-      graphdef, abstract_params: from `sharding.abstract_params` (leaves carry shardings).
+      graphdef, abstract_params: from `model.abstract_params` (leaves carry shardings).
       obj: settings from `objective_settings`.
       tx: the optimizer of `optimizer`.
       mesh, rules: the mesh and logical-axis rules (batches go on the "batch" rule's axes).
@@ -193,9 +193,9 @@ def build_train_step(
             f"train.batch_size {t.batch_size} is not divisible by "
             f"train.grad_accum_steps {t.grad_accum_steps}"
         )
-    param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    param_shardings = sharding.shardings_of(abstract_params)
     abstract_opt = abstract_opt_state(tx, abstract_params, mesh)
-    opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_opt)
+    opt_shardings = sharding.shardings_of(abstract_opt)
     batch_sharding = sharding.batch_sharding(mesh, rules)
     row = jax.ShapeDtypeStruct((t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding)
     abstract_batch = {"input_ids": row, "labels": row}
@@ -213,7 +213,7 @@ def build_train_step(
     fn = jax.jit(
         on_mesh,
         in_shardings=(
-            param_shardings, opt_shardings, jax.tree.map(lambda x: x.sharding, abstract_batch)
+            param_shardings, opt_shardings, sharding.shardings_of(abstract_batch)
         ),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),

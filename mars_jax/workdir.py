@@ -42,7 +42,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from mars_jax import sharding, vocab
-from mars_jax.model import ModelConfig
+from mars_jax.model import ModelConfig, abstract_params
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
 # The Orbax items of a checkpoint step.
@@ -54,7 +54,7 @@ CHECKSUMS = "sha256.json"
 class TrainState(NamedTuple):
     """What a checkpoint step holds.
 
-    params: parameter State (leaves as in ``sharding.abstract_params``).
+    params: parameter State (leaves as in ``model.abstract_params``).
     opt_state: the optax state of ``train_step.optimizer``.
     data_position: int, index of the next training batch (``data.batched_dataset`` element).
     """
@@ -530,7 +530,7 @@ def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = Non
     Raises FileNotFoundError for a directory that is not a run or has no checkpoint.
     """
     cfg = read_model_config(workdir, **overrides)
-    graphdef, abstract = sharding.abstract_params(
+    graphdef, abstract = abstract_params(
         cfg, mesh or sharding.make_mesh(), sharding_rules(workdir)
     )
     with Checkpoints(workdir) as checkpoints:

@@ -133,7 +133,7 @@ from flax import nnx
 
 from mars_jax import attention, sharding
 from mars_jax.data import IGNORE_INDEX
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.objectives import mars_loss
 
 real = attention._splash
@@ -152,7 +152,7 @@ rules = sharding.logical_rules()
 out = {}
 for impl in ("xla", "splash"):
     c = ModelConfig(**{**cfg.__dict__, "attention": impl})
-    graphdef, abstract = sharding.abstract_params(c, mesh, rules)
+    graphdef, abstract = abstract_params(c, mesh, rules)
     params = jax.device_put(host, jax.tree.map(lambda x: x.sharding, abstract))
     batch = jax.device_put({"input_ids": ids, "labels": labels}, sharding.batch_sharding(mesh, rules))
 

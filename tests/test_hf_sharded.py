@@ -35,6 +35,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from mars_jax import huggingface, sharding
+from mars_jax.model import abstract_params
 
 
 class Recorder:
@@ -94,7 +95,7 @@ for label, path, dtype in args["loads"]:
     cfg = huggingface.read_hf_config(path, param_dtype=dtype)
     ref = jax.tree.leaves(huggingface.load_hf_state(path, cfg))
     for mesh_name, mesh in meshes.items():
-        _, abstract = sharding.abstract_params(cfg, mesh, rules)
+        _, abstract = abstract_params(cfg, mesh, rules)
         rec.reads.clear()
         loaded = huggingface.load_hf_sharded(path, cfg, abstract)
         arrays, specs = jax.tree.leaves(loaded), jax.tree.leaves(abstract)
@@ -119,7 +120,7 @@ for label, path, dtype in args["loads"]:
         })
 for label, path in args["errors"]:
     cfg = huggingface.read_hf_config(path)
-    _, abstract = sharding.abstract_params(cfg, meshes["2x2x2"], rules)
+    _, abstract = abstract_params(cfg, meshes["2x2x2"], rules)
     rec.reads.clear()
     try:
         huggingface.load_hf_sharded(path, cfg, abstract)

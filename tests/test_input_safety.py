@@ -28,7 +28,7 @@ from ml_collections import config_flags
 from conftest import make_hf_model
 from mars_jax import data, huggingface, sharding
 from mars_jax import tokenizer as T
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig, Qwen2, abstract_params
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(
@@ -67,7 +67,7 @@ def no_unpickling(monkeypatch):
 
 def _all_loaders(path):
     """Every public way of loading the HF directory ``path``, each a thunk."""
-    abstract = sharding.abstract_params(TINY, sharding.make_mesh(), sharding.logical_rules())[1]
+    abstract = abstract_params(TINY, sharding.make_mesh(), sharding.logical_rules())[1]
     return {
         "read_hf_config": lambda: huggingface.read_hf_config(path),
         "load_hf": lambda: huggingface.load_hf(path),

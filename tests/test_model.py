@@ -212,9 +212,10 @@ def with_stored_head(src, dst, head_fn, *, shards=1):
 def load_sharded_on_one_device(path):
     """`huggingface.load_hf_sharded` of ``path`` on a mesh of this process's devices."""
     from mars_jax import sharding
+    from mars_jax.model import abstract_params
 
     cfg = huggingface.read_hf_config(str(path))
-    _, abstract = sharding.abstract_params(cfg, sharding.make_mesh(), sharding.logical_rules())
+    _, abstract = abstract_params(cfg, sharding.make_mesh(), sharding.logical_rules())
     return huggingface.load_hf_sharded(str(path), cfg, abstract)
 
 

@@ -27,7 +27,7 @@ import tempfile
 
 from mars_jax import sharding, workdir as wd
 from mars_jax.data import IGNORE_INDEX
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.objectives import loss_fn
 from mars_jax.train_step import build_train_step, optimizer
 
@@ -40,7 +40,7 @@ cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layer
 # --- placement --------------------------------------------------------------------------------
 mesh8 = sharding.make_mesh(data=2, fsdp=2, tensor=2)
 out["mesh8"] = dict(mesh8.shape)
-graphdef, abstract = sharding.abstract_params(cfg, mesh8, rules)
+graphdef, abstract = abstract_params(cfg, mesh8, rules)
 out["specs"] = {
     jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): [
         list(a) if isinstance(a, tuple) else a for a in x.sharding.spec
@@ -61,7 +61,7 @@ out["logical_q_spec"] = list(
 )
 # Rules from a config table: replicate "embed", put "mlp" on (fsdp, tensor).
 custom = sharding.logical_rules({**sharding.DEFAULT_RULES, "embed": (), "mlp": ("fsdp", "tensor")})
-_, abstract_custom = sharding.abstract_params(cfg, mesh8, custom)
+_, abstract_custom = abstract_params(cfg, mesh8, custom)
 out["custom_up_spec"] = [
     list(a) if isinstance(a, tuple) else a
     for a in abstract_custom["layers"]["mlp"]["up_proj"]["kernel"].sharding.spec
@@ -87,7 +87,7 @@ host_params = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
 
 
 def train(mesh, steps=3):
-    graphdef, abstract = sharding.abstract_params(cfg, mesh, rules)
+    graphdef, abstract = abstract_params(cfg, mesh, rules)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
     params = jax.device_put(host_params, shardings)
     init = jax.tree.map(np.asarray, params)
@@ -104,7 +104,7 @@ def train(mesh, steps=3):
 
 
 def grads(mesh):
-    graphdef, abstract = sharding.abstract_params(cfg, mesh, rules)
+    graphdef, abstract = abstract_params(cfg, mesh, rules)
     params = jax.device_put(host_params, jax.tree.map(lambda x: x.sharding, abstract))
     b = jax.device_put(batch, sharding.batch_sharding(mesh, rules))
     g = jax.jit(jax.grad(lambda p, b: loss_fn(nnx.merge(graphdef, p), b, obj)[0]))(params, b)
@@ -136,7 +136,7 @@ out["lr_sum"] = sum(float(optimizer(run_cfg, 10)[1](i)) for i in range(3))
 # --- a checkpoint saved on one mesh shape continues on another ------------------------------
 def continue_from(directory, mesh, steps=2):
     # Restores step 1 of `directory` onto `mesh` and trains `steps` more steps.
-    graphdef, abstract = sharding.abstract_params(cfg, mesh, rules)
+    graphdef, abstract = abstract_params(cfg, mesh, rules)
     tx, _ = optimizer(run_cfg, 10)
     step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh, rules)
     with wd.Checkpoints(directory) as checkpoints:
@@ -152,7 +152,7 @@ def continue_from(directory, mesh, steps=2):
 
 
 with tempfile.TemporaryDirectory() as directory:
-    graphdef, abstract = sharding.abstract_params(cfg, mesh8, rules)
+    graphdef, abstract = abstract_params(cfg, mesh8, rules)
     tx, _ = optimizer(run_cfg, 10)
     step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh8, rules)
     params = jax.device_put(host_params, jax.tree.map(lambda x: x.sharding, abstract))
@@ -189,10 +189,10 @@ for name, bad in [("vocab", dict(vocab_size=97)), ("hidden", dict(hidden_size=30
 heads_cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 56, "num_heads": 14, "num_kv_heads": 2,
                            "head_dim": 4})
 mesh_214 = sharding.make_mesh(data=2, fsdp=1, tensor=4)
-out["heads_error"] = error(lambda: sharding.abstract_params(heads_cfg, mesh_214, rules))
+out["heads_error"] = error(lambda: abstract_params(heads_cfg, mesh_214, rules))
 out["rules_error"] = error(lambda: sharding.logical_rules({"embed": ("model",)}))
 twice = sharding.logical_rules({**sharding.DEFAULT_RULES, "embed": ("fsdp", "tensor")})
-out["twice_error"] = error(lambda: sharding.abstract_params(cfg, mesh8, twice))
+out["twice_error"] = error(lambda: abstract_params(cfg, mesh8, twice))
 ok_state = nnx.state(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
 out["divisible_ok"] = error(lambda: sharding.param_shardings(ok_state, mesh_142, rules))
 print("RESULT " + json.dumps(out))
