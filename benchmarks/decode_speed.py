@@ -95,7 +95,8 @@ from flax import nnx
 
 from mars_jax import cli, data, decode, huggingface, vocab, workdir as wd
 from benchmarks import decode_step
-from mars_jax.model import ModelConfig, Qwen2, init_cache
+from mars_jax.kv_cache import init_cache
+from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
 
 MODELS = ("trained", "qwen0_5b_shape", "qwen7b_shape", "tiny_shape")

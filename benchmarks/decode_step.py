@@ -235,7 +235,7 @@ def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: in
     vocabulary) and ``choice`` (argmax and the prob confidence of those logits). With
     ``profile_dir``, a jax.profiler trace of one AR step and one narrow step is written there.
     """
-    from mars_jax.model import init_cache
+    from mars_jax.kv_cache import init_cache
 
     cfg = model_config(shape, dtype)
     graphdef, params = random_params(cfg)

@@ -5,14 +5,14 @@ r"""Evaluation: accuracy and speed of threshold decoding, and teacher-forced NLL
 Restores the latest checkpoint of ``workdir``, decodes ``eval.num_examples`` evaluation prompts
 (GSM8K test questions, or held-out synthetic problems) at each of ``eval.thresholds`` and
 reports per threshold: accuracy (the completion's final answer is numerically equal to the
-reference's, `mars_jax.grading.answer_value`), tokens per forward, wall clock (below), mean completion length,
-and agreement with the threshold-1.0 (one-token, i.e. AR) output, decoding with
-``eval.cache_mode`` and ``eval.rule`` (see `mars_jax.decode`); once per checkpoint, the mean
-per-token negative log-likelihood of the reference answers under plain AR teacher forcing (paper
-Sec. 5 reports accuracy and tokens per forward). With ``eval.temperature`` > 0, prompt i samples
-with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``. Everything is
-also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per evaluation, so that
-earlier evaluations, at other thresholds or steps, are kept) and copied to
+reference's, `mars_jax.grading.answer_value`), tokens per forward, wall clock (below), mean
+completion length, and agreement with the threshold-1.0 (one-token, i.e. AR) output, decoding
+with ``eval.cache_mode`` and ``eval.rule`` (see `mars_jax.decode`); once per checkpoint, the
+mean per-token negative log-likelihood of the reference answers under plain AR teacher forcing
+(paper Sec. 5 reports accuracy and tokens per forward). With ``eval.temperature`` > 0, prompt i
+samples with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``.
+Everything is also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per
+evaluation, so that earlier evaluations, at other thresholds or steps, are kept) and copied to
 ``workdir/eval.json`` (the latest evaluation), each with the Pareto plot of its thresholds
 beside it (``.png``: accuracy against tokens per forward); see `write_report`.
 ``eval.thresholds`` must each lie in (0, 1]; they are checked before anything is loaded.
