@@ -93,7 +93,8 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from mars_jax import cli, data, decode, huggingface, vocab, workdir as wd
+from mars_jax import cli, decode, huggingface, vocab, workdir as wd
+from mars_jax.batches import eval_examples, eval_source
 from benchmarks import decode_step
 from mars_jax.kv_cache import init_cache
 from mars_jax.model import ModelConfig, Qwen2
@@ -193,8 +194,8 @@ def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir:
                 raise ValueError("--model=trained needs --workdir (a trained run)")
             model, tok, _ = wd.load_model(workdir)
             need = max(b * math.ceil(num_prompts / b) for b in batch_sizes)
-            source, fmt, seed = data.eval_source(config)
-            examples = data.eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
+            source, fmt, seed = eval_source(config)
+            examples = eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
             prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
             prompts = [prompts[i % len(prompts)] for i in range(need)]
             subjects.append(make_subject(

@@ -39,7 +39,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, data, decode, plots, settings, vocab, workdir as wd
+from mars_jax import cli, decode, plots, settings, vocab, workdir as wd
+from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.grading import accuracy, extract_answer
 from mars_jax.objectives import ar_loss
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
@@ -55,13 +56,13 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
         {"messages": prompt + [{"role": "assistant", "content": answer}]}
         for prompt, answer in examples
     ]
-    tokenized, _ = data.build_examples(
+    tokenized, _ = build_examples(
         rows, tok, "messages", max_length=max_length, block_size=1, source_name="eval"
     )
     obj = types.SimpleNamespace(max_label_tokens=None, normalization="token", ce_chunk_size=0)
     loss = jax.jit(lambda m, b: ar_loss(m, b, obj)[1])
     total, count = 0.0, 0
-    ds = data.batched_dataset(
+    ds = batched_dataset(
         tokenized,
         batch_size=batch_size,
         max_length=max_length,
@@ -143,8 +144,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     e = cfg.eval
     thresholds = [float(t) for t in e.thresholds]  # checked by settings.check
     model, tok, step = wd.load_model(workdir, step=step)
-    source, fmt, seed = data.eval_source(cfg)
-    examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
+    source, fmt, seed = eval_source(cfg)
+    examples = eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
         raise ValueError(
             f"no evaluation examples in {source} read as {fmt!r} rows "

@@ -26,7 +26,8 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, data, decode, vocab, workdir as wd
+from mars_jax import cli, decode, vocab, workdir as wd
+from mars_jax.rows import read_rows
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, Tokenizer
 
 
@@ -133,7 +134,7 @@ def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
     the row for a missing or non-string prompt, or a threshold that is not a number in (0, 1]
     (a JSON true is not a number here)."""
     prompts, thresholds = [], []
-    for i, row in enumerate(data.read_rows(path), start=1):
+    for i, row in enumerate(read_rows(path), start=1):
         prompt, threshold = row.get("prompt"), row.get("threshold")
         if not isinstance(prompt, str):
             raise ValueError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")

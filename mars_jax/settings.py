@@ -16,7 +16,7 @@ from typing import Iterable
 
 from mars_jax import sharding
 
-SOURCES = ("synthetic", "gsm8k", "messages")  # data.SYNTHETIC and the row formats
+SOURCES = ("synthetic", "gsm8k", "messages")  # rows.SYNTHETIC and the row formats
 
 
 class SettingError(ValueError):

@@ -38,12 +38,13 @@ from absl import logging
 from flax import nnx
 
 from mars_jax import (
-    cli, data, distributed, huggingface, objectives, settings, sharding, train_step, vocab,
-    workdir as wd,
+    cli, distributed, huggingface, objectives, settings, sharding, train_step, vocab, workdir as wd,
 )
+from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
-from mars_jax.objectives import check_config
+from mars_jax.objectives import IGNORE_INDEX, check_config
+from mars_jax.rows import SYNTHETIC, load_rows, read_rows
 from mars_jax.tokenizer import load_tokenizer
 
 
@@ -97,18 +98,18 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
 
 
 def load_train_examples(cfg, tok):
-    """Tokenized training examples of ``cfg.data`` (see `mars_jax.data`)."""
+    """Tokenized training examples of ``cfg.data`` (see `mars_jax.batches`)."""
     d = cfg.data
-    if d.source == data.SYNTHETIC:
+    if d.source == SYNTHETIC:
         rows, fmt, name = (
-            data.load_rows(data.SYNTHETIC, num_rows=d.num_synthetic_train, seed=cfg.seed),
+            load_rows(SYNTHETIC, num_rows=d.num_synthetic_train, seed=cfg.seed),
             "gsm8k",
             "synthetic",
         )
     else:
-        rows = data.read_rows(d.train_path, max_bad_fraction=d.max_bad_fraction)
+        rows = read_rows(d.train_path, max_bad_fraction=d.max_bad_fraction)
         fmt, name = d.source, d.train_path
-    examples, _ = data.build_examples(
+    examples, _ = build_examples(
         rows,
         tok,
         fmt,
@@ -131,13 +132,13 @@ def vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     for run in (workdir, cfg.init_from):
         if run and (saved := wd.read_vocab_map(run)) is not None:
             return saved
-    source, fmt, seed = data.eval_source(cfg)
-    num = cfg.eval.num_examples if source == data.SYNTHETIC else None
+    source, fmt, seed = eval_source(cfg)
+    num = cfg.eval.num_examples if source == SYNTHETIC else None
     rows = [
         {"messages": prompt + [{"role": "assistant", "content": answer}]}
-        for prompt, answer in data.eval_examples(source, num_examples=num, fmt=fmt, seed=seed)
+        for prompt, answer in eval_examples(source, num_examples=num, fmt=fmt, seed=seed)
     ]
-    evaluation, _ = data.build_examples(
+    evaluation, _ = build_examples(
         rows, tok, "messages", max_length=2**30, block_size=1, source_name=f"{source} (vocab)"
     )
     return vocab.build((e.input_ids for e in examples + evaluation), tok.mask_id, len(tok))
@@ -183,7 +184,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     vmap = vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
     if vmap is not None:
         # A stage 2 on other data than its trimmed stage 1: name the row and whose map it is.
-        source = cfg.data.train_path if cfg.data.source != data.SYNTHETIC else "synthetic data"
+        source = cfg.data.train_path if cfg.data.source != SYNTHETIC else "synthetic data"
         owner = "the"
         if cfg.init_from and os.path.exists(os.path.join(cfg.init_from, wd.VOCAB_MAP)):
             owner = "init_from's"
@@ -206,7 +207,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     tx, schedule = train_step.optimizer(cfg, num_steps)
     step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
     rows = distributed.process_rows(step.batch_sharding, t.batch_size)
-    dataset = data.batched_dataset(
+    dataset = batched_dataset(
         examples,
         batch_size=t.batch_size,
         max_length=cfg.data.max_length,
@@ -452,7 +453,7 @@ def _applied_updates(opt_state) -> int:
 def _batch_tokens(labels: jax.Array) -> jax.Array:
     """Tokens of a global batch: each row up to its last labelled token (rows end there; batch
     padding excluded), summed over all processes' rows. int32 scalar, replicated."""
-    labelled = labels != data.IGNORE_INDEX
+    labelled = labels != IGNORE_INDEX
     lengths = labels.shape[1] - jnp.argmax(labelled[:, ::-1], axis=1)
     return jnp.where(labelled.any(1), lengths, 0).sum()
 

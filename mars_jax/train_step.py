@@ -18,8 +18,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mars_jax import data, sharding
-from mars_jax.objectives import NOISY_WEIGHT, check_config, loss_denominator, loss_fn
+from mars_jax import sharding
+from mars_jax.objectives import (
+    IGNORE_INDEX, NOISY_WEIGHT, check_config, loss_denominator, loss_fn,
+)
 
 
 def objective_settings(cfg, mask_id: int, examples) -> types.SimpleNamespace:
@@ -27,13 +29,13 @@ def objective_settings(cfg, mask_id: int, examples) -> types.SimpleNamespace:
     ``mask_id``.
 
     ``max_label_tokens`` 0 means: the most labelled tokens of any of ``examples`` (a list of
-    `data.Example`), rounded up to a multiple of 8 (logits are computed at that many
+    `batches.Example`), rounded up to a multiple of 8 (logits are computed at that many
     positions per row). Raises ValueError as `objectives.check_config`.
     """
     obj = types.SimpleNamespace(**cfg.objective.to_dict(), mask_id=mask_id)
     check_config(obj)
     if not obj.max_label_tokens:
-        longest = max(int((e.labels != data.IGNORE_INDEX).sum()) for e in examples)
+        longest = max(int((e.labels != IGNORE_INDEX).sum()) for e in examples)
         obj.max_label_tokens = -(-longest // 8) * 8
     return obj
 
@@ -125,7 +127,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
         if param_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         (grads, metrics), _ = jax.lax.scan(body, (grads, metrics), (micro, weights))
-        metrics["label_tokens"] = (batch["labels"][:, 1:] != data.IGNORE_INDEX).sum()
+        metrics["label_tokens"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         metrics["grad_norm"] = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         updates, new_opt_state = tx.update(grads, opt_state, params)

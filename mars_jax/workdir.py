@@ -56,7 +56,7 @@ class TrainState(NamedTuple):
 
     params: parameter State (leaves as in ``model.abstract_params``).
     opt_state: the optax state of ``train_step.optimizer``.
-    data_position: int, index of the next training batch (``data.batched_dataset`` element).
+    data_position: int, index of the next training batch (``batches.batched_dataset`` element).
     """
 
     params: nnx.State

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from mars_jax import attention
-from mars_jax.data import IGNORE_INDEX
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
 from mars_jax.objectives import mars_attention_mask, mars_loss
 
@@ -132,7 +132,7 @@ import numpy as np
 from flax import nnx
 
 from mars_jax import attention, sharding
-from mars_jax.data import IGNORE_INDEX
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.objectives import mars_loss
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mars_jax import cli, data, generate
+from mars_jax import cli, generate
+from mars_jax.rows import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +102,7 @@ def test_user_errors_are_ours_and_library_errors_are_not(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "a", "threshold": "high"}\n')
     assert cli.is_user_error(raised(generate.read_prompts, str(bad)))  # our raise
-    assert cli.is_user_error(raised(data.read_rows, str(tmp_path / "missing.jsonl")))  # a path
+    assert cli.is_user_error(raised(read_rows, str(tmp_path / "missing.jsonl")))  # a path
     assert not cli.is_user_error(raised(np.zeros(3).reshape, 2))  # numpy's ValueError
     assert not cli.is_user_error(raised(generate.format_text, None))  # a TypeError: a bug
     assert not cli.is_user_error(ValueError("never raised"))

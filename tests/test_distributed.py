@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import data, distributed, sharding
+from mars_jax import distributed, sharding
+from mars_jax.batches import Example, batched_dataset
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax import workdir as wd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,28 +277,28 @@ def test_cluster_detection_is_jax_own(monkeypatch):
 
 def fake_examples(n, length=4):
     return [
-        data.Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
+        Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
         for i in range(n)
     ]
 
 
 def test_batched_dataset_rows_are_the_process_share():
     examples = fake_examples(10)
-    full = data.batched_dataset(examples, batch_size=4, max_length=4, seed=3)
-    part = data.batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=[1, 3])
+    full = batched_dataset(examples, batch_size=4, max_length=4, seed=3)
+    part = batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=[1, 3])
     for i in range(5):  # across the epoch boundary (2 batches per epoch)
         for key in ("input_ids", "labels"):
             np.testing.assert_array_equal(part[i][key], full[i][key][[1, 3]])
     # A partial last batch: rows past its end are padding rows.
     kw = dict(batch_size=4, max_length=4, seed=3, drop_remainder=False, num_epochs=1)
-    last_full = data.batched_dataset(examples, **kw)[2]
-    last_part = data.batched_dataset(examples, **kw, rows=[1, 2, 3])[2]
+    last_full = batched_dataset(examples, **kw)[2]
+    last_part = batched_dataset(examples, **kw, rows=[1, 2, 3])[2]
     np.testing.assert_array_equal(last_part["input_ids"], last_full["input_ids"][1:])
-    assert (last_part["labels"][1:] == data.IGNORE_INDEX).all()
-    assert (last_part["labels"][0] != data.IGNORE_INDEX).all()
+    assert (last_part["labels"][1:] == IGNORE_INDEX).all()
+    assert (last_part["labels"][0] != IGNORE_INDEX).all()
     for bad in ([4], [2, 1], [0, 0]):
         with pytest.raises(ValueError, match="ascending"):
-            data.batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=bad)
+            batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=bad)
 
 
 def test_one_process_holds_every_row():

@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 
 from conftest import TINY, hf_logits, save_hf
 from mars_jax import huggingface, kv_cache
-from mars_jax import model as model_lib
 from mars_jax.kv_cache import SELECT_MAX_SLOTS, init_cache, read_window, write_window
 from mars_jax.model import ModelConfig, RMSNorm, causal_mask, rope_tables
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import tempfile
 
 from mars_jax import sharding, workdir as wd
-from mars_jax.data import IGNORE_INDEX
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.objectives import loss_fn
 from mars_jax.train_step import build_train_step, optimizer

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from mars_jax import data, decode, evaluate, export, generate, objectives, settings, train
+from mars_jax import decode, evaluate, export, generate, objectives, settings, train
+from mars_jax.batches import batched_dataset, eval_examples
 from mars_jax import train_step, vocab
 from mars_jax import workdir as wd
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
@@ -134,7 +135,7 @@ def test_trimmed_run_keeps_the_data_ids(trimmed):
     ids = saved_ids(workdir)
     train_ids = {i for e in train.load_train_examples(cfg, tok) for i in e.input_ids.tolist()}
     eval_ids = set()
-    for prompt, answer in data.eval_examples("synthetic", num_examples=3, seed=cfg.seed + 1):
+    for prompt, answer in eval_examples("synthetic", num_examples=3, seed=cfg.seed + 1):
         eval_ids |= set(tok.apply_chat_template(prompt, add_generation_prompt=True))
         eval_ids |= set(tok.encode(answer))
     needed = train_ids | eval_ids | CONTROL
@@ -165,7 +166,7 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
         )
         for e in train.load_train_examples(cfg, load_tokenizer())
     ]
-    batch = data.batched_dataset(
+    batch = batched_dataset(
         examples, batch_size=4, max_length=cfg.data.max_length, seed=cfg.seed,
         pad_id=index[ENDOFTEXT_ID],
     )[0]
@@ -179,7 +180,7 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
 
 def test_generate_returns_qwen_ids(trimmed):
     workdir, cfg = trimmed
-    prompts = [p[-1]["content"] for p, _ in data.eval_examples("synthetic", num_examples=2, seed=1)]
+    prompts = [p[-1]["content"] for p, _ in eval_examples("synthetic", num_examples=2, seed=1)]
     results = generate.complete(workdir, prompts, threshold=0.9, max_new_tokens=6)
     # Oracle: decode in model ids, mapping prompts and special ids in and tokens out by hand.
     ids = saved_ids(workdir)
@@ -206,7 +207,7 @@ def test_evaluate_a_trimmed_run(trimmed):
     workdir, cfg = trimmed
     report = evaluate.evaluate(cfg, workdir)
     assert np.isfinite(report["ar_nll"])
-    prompts = [p[-1]["content"] for p, _ in data.eval_examples("synthetic", num_examples=3, seed=1)]
+    prompts = [p[-1]["content"] for p, _ in eval_examples("synthetic", num_examples=3, seed=1)]
     texts = [r["text"] for r in generate.complete(workdir, prompts, threshold=1.0, max_new_tokens=6)]
     assert [e["completion"] for e in report["results"][0]["examples"]] == texts
 
@@ -216,7 +217,7 @@ def test_stage2_on_other_data_names_the_row_and_the_map(trimmed, tmp_path):
     is refused naming the file, the row and whose map it is (was 'training data: token id
     ...', naming neither)."""
     rows = tmp_path / "train.jsonl"
-    ((prompt, answer),) = data.eval_examples("synthetic", num_examples=1, seed=1)
+    ((prompt, answer),) = eval_examples("synthetic", num_examples=1, seed=1)
     rows.write_text("".join(
         json.dumps({"question": q, "answer": a}) + "\n"
         for q, a in ((prompt[-1]["content"], answer), ("Café?", answer))
@@ -241,7 +242,7 @@ def test_evaluate_names_the_example_with_a_token_outside_the_vocabulary(trimmed,
     """Evaluation data the run never saw (GSM8K for a synthetic run): the refusal names the
     file and the example, not only the token."""
     rows = tmp_path / "test.jsonl"
-    prompts, _ = zip(*data.eval_examples("synthetic", num_examples=1, seed=1))
+    prompts, _ = zip(*eval_examples("synthetic", num_examples=1, seed=1))
     seen = prompts[0][-1]["content"]  # a question the run's vocabulary covers
     rows.write_text("".join(
         json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in (seen, "Café?")
