@@ -47,8 +47,8 @@ from absl import flags
 
 from mars_jax import cli, sharding, train, train_step
 from mars_jax.batches import Example
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, abstract_params
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import MASK_ID
 
 

@@ -177,11 +177,11 @@ def eval_examples(
     source: str, *, num_examples: int, fmt: str = "gsm8k", seed: int = 0
 ) -> list[tuple[list[dict], str]]:
     """Evaluation prompts: `(prompt_messages, reference_answer)` for the first `num_examples`
-    usable rows of `source` (see `mars_jax.rows.load_rows`; e.g. the GSM8K test split, or `"synthetic"` with
-    `seed`). The prompt is every message before the final assistant turn; the reference is that
-    turn's content (for GSM8K the worked answer ending in `#### <number>`). Rows with `tools`, or
-    whose final turn calls tools, are not usable: the prompt carries no tools and the reference
-    is an answer in text."""
+    usable rows of `source` (see `mars_jax.rows.load_rows`; e.g. the GSM8K test split, or
+    `"synthetic"` with `seed`). The prompt is every message before the final assistant turn; the
+    reference is that turn's content (for GSM8K the worked answer ending in `#### <number>`).
+    Rows with `tools`, or whose final turn calls tools, are not usable: the prompt carries no
+    tools and the reference is an answer in text."""
     out = []
     for row in load_rows(source, num_rows=num_examples if source == SYNTHETIC else None, seed=seed):
         try:

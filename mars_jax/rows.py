@@ -217,8 +217,8 @@ def read_rows(
     (bytes that are not UTF-8), nul_byte (a NUL byte in a file without a byte-order mark),
     invalid_json, not_an_object (a JSON value other than an object). A WARNING names the first
     five by file:line. Only such lines count here; rows that parse but cannot be trained on are
-    counted by `mars_jax.batches.build_examples`. A JSON array, or a UTF-16/32 file with invalid bytes, is read
-    whole or not at all.
+    counted by `mars_jax.batches.build_examples`. A JSON array, or a UTF-16/32 file with invalid
+    bytes, is read whole or not at all.
 
     Args:
       path: the file.

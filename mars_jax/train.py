@@ -8,7 +8,7 @@ From Python: ``train.train(config, workdir)`` with a ``ConfigDict`` (e.g.
 ``configs.tiny.get_config("mars")``).
 
 A restart with the same workdir resumes from its latest committed checkpoint (parameters,
-optimizer state and data position), also after a hard kill (see `workdir.Checkpoints`); a
+optimizer state and data position), also after a hard kill (see `checkpoints.Checkpoints`); a
 checkpoint whose files fail their checksums stops the run, or with ``train.restore_fallback``
 is set aside for the previous one. ``init_from`` starts a fresh run from a Hugging Face
 directory or from the latest checkpoint of another run's workdir (stage 2 from stage 1).
@@ -41,6 +41,7 @@ from mars_jax import (
     cli, distributed, huggingface, objectives, settings, sharding, train_step, vocab, workdir as wd,
 )
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
+from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.objectives import IGNORE_INDEX, check_config
@@ -89,7 +90,7 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
         )
         return init()
     if wd.is_workdir(cfg.init_from):
-        with wd.Checkpoints(cfg.init_from) as checkpoints:
+        with Checkpoints(cfg.init_from) as checkpoints:
             params, step = checkpoints.restore_params(abstract)
         logging.info("initialized from %s step %d", cfg.init_from, step)
         return params
@@ -160,7 +161,7 @@ def train(cfg, workdir: str) -> dict:
     Raises ValueError for a bad config (see `train_step.build_train_step`,
     `objectives.check_config`, `sharding`, `distributed.initialize`) or a resume with another
     config, `workdir.WorkdirInUse` (a ValueError) while another process trains in ``workdir``,
-    `workdir.CheckpointError` (a ValueError) for a corrupted checkpoint (without
+    `checkpoints.CheckpointError` (a ValueError) for a corrupted checkpoint (without
     ``train.restore_fallback``), FileNotFoundError for a missing ``init_from`` or data file,
     FloatingPointError after ``train.max_consecutive_skips`` steps in a row with
     a non-finite loss or gradient norm (`SkippedSteps`).
@@ -227,20 +228,20 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     run_config = cfg.to_json_best_effort(indent=2)
     if distributed.is_primary():  # one training process per workdir (workdir.WorkdirInUse)
         stack.enter_context(wd.RunLock(workdir))
-    checkpoints = wd.Checkpoints(
+    checkpoints = Checkpoints(
         workdir, max_to_keep=t.max_to_keep, keep_every=t.keep_every, writer=True
     )
 
     if checkpoints.latest_step() is not None:
         wd.check_same_run(workdir, run_config)
     state, start = checkpoints.restore_latest(
-        wd.TrainState(abstract, step.abstract_opt_state, 0), fallback=t.restore_fallback
+        TrainState(abstract, step.abstract_opt_state, 0), fallback=t.restore_fallback
     )
     if start is None:
         logging.info("no checkpoint in %s: starting a fresh run", workdir)
         params = initial_params(cfg, model_cfg, abstract)
         opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
-        state = wd.TrainState(params, opt_state, data_position=0)
+        state = TrainState(params, opt_state, data_position=0)
         if distributed.is_primary():
             wd.write_run_files(workdir, run_config, model_cfg, tok)
             if vmap is not None:
@@ -317,11 +318,11 @@ def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, pree
             saved = done % t.save_every == 0 or done == num_steps
             if saved:
                 skips.check()
-                checkpoints.save(done, wd.TrainState(params, opt_state, position))
+                checkpoints.save(done, TrainState(params, opt_state, position))
             if done < num_steps and preemption.stop(done):
                 skips.check()
                 if not saved:
-                    checkpoints.save(done, wd.TrainState(params, opt_state, position))
+                    checkpoints.save(done, TrainState(params, opt_state, position))
                 checkpoints.wait_until_finished()
                 logging.info(
                     "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
@@ -401,12 +402,12 @@ class Preemption(contextlib.AbstractContextManager):
     SIGTERM is left to JAX's preemption notifier and the step is agreed through Orbax's
     ``reached_preemption`` (JAX's preemption sync service), and SIGINT keeps Python's default
     (KeyboardInterrupt, no save). Handlers are installed only from the main thread, and the
-    previous ones are restored on exit. ``checkpoints`` (the run's `workdir.Checkpoints`, set
+    previous ones are restored on exit. ``checkpoints`` (the run's `checkpoints.Checkpoints`, set
     once they exist) answers the multi-process agreement.
     """
 
     def __init__(self):
-        self.checkpoints: wd.Checkpoints | None = None
+        self.checkpoints: Checkpoints | None = None
         self._previous = {}
         self.reason: str | None = None
 

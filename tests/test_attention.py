@@ -16,9 +16,8 @@ import pytest
 from flax import nnx
 
 from mars_jax import attention
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
-from mars_jax.objectives import mars_attention_mask, mars_loss
+from mars_jax.objectives import IGNORE_INDEX, mars_attention_mask, mars_loss
 
 BLOCK = 4
 # 2L = 192 queries: not a multiple of the chunked path's 128; splash tiles by 128, 2L = 256.
@@ -132,9 +131,8 @@ import numpy as np
 from flax import nnx
 
 from mars_jax import attention, sharding
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
-from mars_jax.objectives import mars_loss
+from mars_jax.objectives import IGNORE_INDEX, mars_loss
 
 real = attention._splash
 attention._splash = lambda *a, **k: real(*a, interpret=True)  # the TPU kernel, on CPU

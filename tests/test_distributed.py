@@ -24,9 +24,9 @@ import pytest
 from flax import nnx
 
 from mars_jax import distributed, sharding
+from mars_jax import workdir as wd
 from mars_jax.batches import Example, batched_dataset
 from mars_jax.objectives import IGNORE_INDEX
-from mars_jax import workdir as wd
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 400  # per launch; both runs took ~1 min each on a shared 2-core CPU
@@ -52,7 +52,7 @@ OVERRIDES = {
 DRIVER = r"""
 import importlib.util, json, sys
 from absl import logging
-from mars_jax import train, workdir as wd
+from mars_jax import checkpoints, train
 
 workdir, settings, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 spec = importlib.util.spec_from_file_location("tiny", "configs/tiny.py")
@@ -75,7 +75,7 @@ class Interrupted(Exception):
 
 logging.set_verbosity(logging.INFO)
 if mode == "interrupt":
-    real_save = wd.Checkpoints.save
+    real_save = checkpoints.Checkpoints.save
 
     def save_then_stop(self, step, state):
         real_save(self, step, state)
@@ -83,12 +83,12 @@ if mode == "interrupt":
             self.close()
             raise Interrupted
 
-    wd.Checkpoints.save = save_then_stop
+    checkpoints.Checkpoints.save = save_then_stop
     try:
         train.train(config(), workdir)
         raise SystemExit("the run was not interrupted")
     except Interrupted:
-        wd.Checkpoints.save = real_save
+        checkpoints.Checkpoints.save = real_save
 train.train(config(), workdir)
 """
 

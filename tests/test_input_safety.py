@@ -27,10 +27,10 @@ from ml_collections import config_flags
 
 from conftest import make_hf_model
 from mars_jax import huggingface, sharding
-from mars_jax.batches import build_examples
-from mars_jax.rows import read_rows
 from mars_jax import tokenizer as T
+from mars_jax.batches import build_examples
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
+from mars_jax.rows import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(

@@ -17,11 +17,11 @@ import pytest
 from flax import nnx
 
 from mars_jax import objectives, settings, train, train_step
+from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples
+from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import load_rows
-from mars_jax import workdir as wd
-from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

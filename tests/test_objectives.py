@@ -18,9 +18,9 @@ from flax import nnx
 
 from conftest import TINY
 from mars_jax import huggingface
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import causal_mask
 from mars_jax.objectives import (
+    IGNORE_INDEX,
     NOISY_WEIGHT,
     ar_loss,
     loss_fn,

@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 import tempfile
 
-from mars_jax import sharding, workdir as wd
-from mars_jax.objectives import IGNORE_INDEX
+from mars_jax import sharding
+from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
-from mars_jax.objectives import loss_fn
+from mars_jax.objectives import IGNORE_INDEX, loss_fn
 from mars_jax.train_step import build_train_step, optimizer
 
 rules = sharding.logical_rules()
@@ -139,9 +139,9 @@ def continue_from(directory, mesh, steps=2):
     graphdef, abstract = abstract_params(cfg, mesh, rules)
     tx, _ = optimizer(run_cfg, 10)
     step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh, rules)
-    with wd.Checkpoints(directory) as checkpoints:
+    with Checkpoints(directory) as checkpoints:
         params, opt_state, position = checkpoints.restore(
-            1, wd.TrainState(abstract, step.abstract_opt_state, 0))
+            1, TrainState(abstract, step.abstract_opt_state, 0))
     shard = params["layers"]["mlp"]["up_proj"]["kernel"][...].addressable_shards[0].data.shape
     losses = []
     for _ in range(steps):
@@ -158,8 +158,8 @@ with tempfile.TemporaryDirectory() as directory:
     params = jax.device_put(host_params, jax.tree.map(lambda x: x.sharding, abstract))
     opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
     params, opt_state, _ = step.fn(params, opt_state, jax.device_put(batch, step.batch_sharding))
-    with wd.Checkpoints(directory) as checkpoints:
-        checkpoints.save(1, wd.TrainState(params, opt_state, 1))
+    with Checkpoints(directory) as checkpoints:
+        checkpoints.save(1, TrainState(params, opt_state, 1))
     out["resharded_same"] = continue_from(directory, mesh8)
     out["resharded_other"] = continue_from(directory, sharding.make_mesh(data=1, fsdp=8, tensor=1))
 

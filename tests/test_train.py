@@ -21,10 +21,11 @@ from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from mars_jax import decode, evaluate, export, generate, objectives, train, train_step
-from mars_jax.batches import batched_dataset, eval_examples
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax import workdir as wd
+from mars_jax.batches import batched_dataset, eval_examples
+from mars_jax.checkpoints import Checkpoints
 from mars_jax.model import Qwen2, causal_mask
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
 from train_runs import LR, ROOT, cli_flags, flat_params, get_config, subprocess_env
 
@@ -125,7 +126,7 @@ def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
     workdir: the final parameters and logged losses equal those of the straight 4-step run."""
     straight, cfg, _ = stage1
     workdir = str(tmp_path / "resumed")
-    real_save = wd.Checkpoints.save
+    real_save = Checkpoints.save
 
     def save_then_die(self, step, state):
         real_save(self, step, state)
@@ -133,7 +134,7 @@ def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
             self.close()
             raise _Interrupted
 
-    monkeypatch.setattr(wd.Checkpoints, "save", save_then_die)
+    monkeypatch.setattr(Checkpoints, "save", save_then_die)
     with pytest.raises(_Interrupted):
         train.train(get_config("ar"), workdir)
     monkeypatch.undo()

@@ -13,10 +13,12 @@ import pytest
 
 from configs import tiny
 from mars_jax import decode, evaluate, export, generate, objectives, settings, train
-from mars_jax.batches import batched_dataset, eval_examples
 from mars_jax import train_step, vocab
 from mars_jax import workdir as wd
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
+from mars_jax.batches import batched_dataset, eval_examples
+from mars_jax.tokenizer import (
+    DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer,
+)
 
 CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
 
