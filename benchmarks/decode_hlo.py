@@ -540,7 +540,7 @@ def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_si
     """Lowers and compiles the whole decoder (`mars_jax.decode._generate`: prefill, the
     ``while_loop`` of steps, the output) for each of ``decoders`` (`DECODERS`; "ar" with block
     size 1) on ``devices``: one device, or a (data = all devices) mesh with the default rules,
-    as ``decode.generate(..., mesh=, rules=)`` runs it."""
+    as ``decode.generate(..., mesh=, axis_rules=)`` runs it."""
     mesh = rules = None
     if len(devices) > 1:
         mesh = sharding.make_mesh(data=-1, devices=devices)
@@ -563,7 +563,7 @@ def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_si
         settings = decode.DecoderSettings(
             block_size=b, max_new_tokens=max_new_tokens, eos_ids=DEFAULT_EOS_IDS,
             mask_id=MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
-            adaptive_window=True, mesh=mesh, rules=rules, on_accept=None,
+            adaptive_window=True, mesh=mesh, axis_rules=rules, on_accept=None,
         )
         scalar = lambda dtype: arg((), dtype, param_sharding)
         t0 = time.perf_counter()

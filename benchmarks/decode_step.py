@@ -80,13 +80,13 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> tuple[object, nnx.State]:
 
 
 def make_decoder(graphdef, *, block_size: int, mode: str, max_new_tokens: int,
-                 mesh=None, rules=None) -> decode.Decoder:
+                 mesh=None, axis_rules=None) -> decode.Decoder:
     """The `decode.Decoder` of ``mode`` (`MODES`; ``ar`` is block size 1), with no EOS."""
     return decode.Decoder(graphdef, decode.DecoderSettings(
         block_size=1 if mode == "ar" else block_size, max_new_tokens=max_new_tokens, eos_ids=(),
         mask_id=MASK_ID, sampling=False,
         cache_mode="block" if mode == "block" else "sliding", rule="prob",
-        adaptive_window=mode != "sliding_fixed", mesh=mesh, rules=rules, on_accept=None,
+        adaptive_window=mode != "sliding_fixed", mesh=mesh, axis_rules=axis_rules, on_accept=None,
     ))
 
 

@@ -76,7 +76,7 @@ def compile_program(graphdef, params, *, program: str, block_size: int, rows: in
     (microseconds, flops and bytes per device) and memory."""
     mode, branch, _ = PROGRAMS[program]
     decoder = decode_step.make_decoder(graphdef, block_size=block_size, mode=mode,
-                                       max_new_tokens=max_new_tokens, mesh=mesh, rules=rules)
+                                       max_new_tokens=max_new_tokens, mesh=mesh, axis_rules=rules)
     replicated = NamedSharding(mesh, P())
     cache_sharding = NamedSharding(mesh, sharding.logical_spec(CACHE_AXES, rules))
 

@@ -349,7 +349,7 @@ class DecoderSettings:
     rule: str
     adaptive_window: bool
     mesh: Mesh | None
-    rules: Any  # flax logical-axis rules ((name, mesh axes), ...) or None
+    axis_rules: Any  # flax logical-axis rules ((name, mesh axes), ...) or None
     on_accept: Callable | None
 
     @property
@@ -387,7 +387,7 @@ class Decoder:
       result = decoder.result(state)
 
     `decode` runs the same as one program (a ``lax.while_loop``); `generate` is its checked,
-    host-side entry. Under ``settings.mesh`` every method runs sharded by ``settings.rules``.
+    host-side entry. Under ``settings.mesh`` every method runs sharded by ``settings.axis_rules``.
     """
 
     graphdef: Any
@@ -404,7 +404,7 @@ class Decoder:
         with contextlib.ExitStack() as stack:
             if st.mesh is not None:
                 stack.enter_context(jax.sharding.use_abstract_mesh(st.mesh.abstract_mesh))
-                stack.enter_context(nnx.logical_axis_rules(st.rules))
+                stack.enter_context(nnx.logical_axis_rules(st.axis_rules))
             yield
 
     # The jitted entry points: each enters the mesh and traces the `_`-method of its name.
@@ -745,7 +745,7 @@ def generate(
     mask_id: int = MASK_ID,
     seed: int | Sequence[int] | np.ndarray = 0,
     mesh: Mesh | None = None,
-    rules: Any = None,
+    axis_rules: Any = None,
     on_accept: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> DecodeOutput:
     """Decodes a batch of prompts with MARS threshold decoding (one jitted program).
@@ -778,9 +778,10 @@ def generate(
       seed: PRNG seed for sampling, in 0..2**32-1: one for every row, or one per row [R]. Row r's
         sample depends only on its prompt, its seed and the settings, not on the batch (module
         docstring); rows with equal seeds share noise position by position.
-      mesh, rules: decode sharded on ``mesh`` by the flax logical-axis ``rules``
-        (`mars_jax.sharding.logical_rules`); the parameters should already be placed by the same
-        rules (`mars_jax.workdir.load_model` does).
+      mesh, axis_rules: decode sharded on ``mesh`` by the flax logical-axis rules
+        ``axis_rules`` (`mars_jax.sharding.logical_rules`; not the acceptance ``rule``); the
+        parameters should already be placed by the same rules (`mars_jax.workdir.load_model`
+        does).
       on_accept: called on the host after every forward that may accept tokens, with
         (candidates int32 [R, C], counts int32 [R]): row r accepted candidates[r, :counts[r]]
         (0 for finished rows). For streaming; ordered; the EOS, if any, is included.
@@ -790,7 +791,7 @@ def generate(
       whose length is outside 1..P, e.g. an empty prompt), no rows, block_size < 1,
       max_new_tokens < 0, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
       temperature, ``verify`` with sampling or in ``block`` mode, a seed that is not an integer
-      in 0..2**32-1 or not one for every row, or a mesh without rules.
+      in 0..2**32-1 or not one for every row, or a mesh without axis_rules.
     """
     prompt_ids = np.asarray(prompt_ids, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
@@ -835,8 +836,8 @@ def generate(
     seeds = np.broadcast_to(seeds, (rows,)).astype(np.uint32)
     if max_accept_per_step is not None and max_accept_per_step < 1:
         raise ValueError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
-    if (mesh is None) != (rules is None):
-        raise ValueError("mesh and rules go together: pass both or neither")
+    if (mesh is None) != (axis_rules is None):
+        raise ValueError("mesh and axis_rules go together: pass both or neither")
     if max_new_tokens == 0:  # nothing to decode: empty completions, nothing compiled or run
         zeros = np.zeros((rows,), np.int32)
         return DecodeOutput(np.zeros((rows, 0), np.int32), zeros, zeros.copy(), zeros.copy(), 0)
@@ -850,7 +851,7 @@ def generate(
         rule=rule,
         adaptive_window=adaptive_window,
         mesh=mesh,
-        rules=None if rules is None else tuple(rules),
+        axis_rules=None if axis_rules is None else tuple(axis_rules),
         on_accept=on_accept,
     )
     graphdef, params = nnx.split(model)

@@ -46,11 +46,11 @@ def export_run(
     FileExistsError when ``output`` already holds weights (see `huggingface.export_hf`),
     ValueError for a trimmed-vocabulary run (``data.trim_vocab``), before writing anything.
     """
-    if (vmap := wd.read_vocab_map(workdir)) is not None:
+    if (vocab_map := wd.read_vocab_map(workdir)) is not None:
         raise ValueError(
-            f"{workdir} has a trimmed vocabulary ({len(vmap)} rows, vocab_map.json): a Hugging "
-            "Face checkpoint needs a row for every id, and without an output bias no weights "
-            "keep the missing rows from being chosen; export is refused"
+            f"{workdir} has a trimmed vocabulary ({len(vocab_map)} rows, vocab_map.json): a "
+            "Hugging Face checkpoint needs a row for every id, and without an output bias no "
+            "weights keep the missing rows from being chosen; export is refused"
         )
     model, tok, step = wd.load_model(workdir, step=step)
     block_size = wd.trained_block_size(workdir)

@@ -1,4 +1,4 @@
-"""Checks of a run's settings before anything is compiled or read (issue 9).
+"""Checks of a run's settings before anything is compiled or read.
 
 `check` runs first in `train.train` and `evaluate.evaluate`, `check_devices` once the device
 count is known (after `distributed.initialize`). Each bad setting raises one error whose message

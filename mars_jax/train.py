@@ -124,7 +124,7 @@ def load_train_examples(cfg, tok):
     return examples
 
 
-def vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
+def build_vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     """The id map of a trimmed run (``data.trim_vocab``): the one saved in ``workdir`` (a
     resumed run) or in ``init_from`` (a trimmed run continued), else built (`vocab.build`) from
     the Qwen ids of ``examples`` (the tokenized training data) and of the evaluation examples
@@ -182,17 +182,17 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     settings.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
-    vmap = vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
-    if vmap is not None:
+    vocab_map = build_vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
+    if vocab_map is not None:
         # A stage 2 on other data than its trimmed stage 1: name the row and whose map it is.
         source = cfg.data.train_path if cfg.data.source != SYNTHETIC else "synthetic data"
         owner = "the"
         if cfg.init_from and os.path.exists(os.path.join(cfg.init_from, wd.VOCAB_MAP)):
             owner = "init_from's"
-        examples = vmap.map_examples(examples, f"{source} ({owner} vocab_map.json)")
-        tok = vocab.MappedTokenizer(tok, vmap)
-        model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vmap))
-        logging.info("trimmed vocabulary: %d rows", len(vmap))
+        examples = vocab_map.map_examples(examples, f"{source} ({owner} vocab_map.json)")
+        tok = vocab.MappedTokenizer(tok, vocab_map)
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab_map))
+        logging.info("trimmed vocabulary: %d rows", len(vocab_map))
     t = cfg.train
     if len(examples) < t.batch_size:
         raise settings.SettingError(
@@ -244,8 +244,8 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         state = TrainState(params, opt_state, data_position=0)
         if distributed.is_primary():
             wd.write_run_files(workdir, run_config, model_cfg, tok)
-            if vmap is not None:
-                wd.write_vocab_map(workdir, vmap)
+            if vocab_map is not None:
+                wd.write_vocab_map(workdir, vocab_map)
         start = 0
     else:
         logging.info("resuming %s from its checkpoint of step %d", workdir, start)

@@ -57,10 +57,10 @@ def write_run_files(workdir: str, run_config_json: str, cfg: ModelConfig, tok: T
 VOCAB_MAP = "vocab_map.json"
 
 
-def write_vocab_map(workdir: str, vmap: vocab.VocabMap) -> None:
+def write_vocab_map(workdir: str, vocab_map: vocab.VocabMap) -> None:
     """Writes the id map of a trimmed run to ``workdir/vocab_map.json``."""
     os.makedirs(workdir, exist_ok=True)
-    vmap.save(os.path.join(workdir, VOCAB_MAP))
+    vocab_map.save(os.path.join(workdir, VOCAB_MAP))
 
 
 def read_vocab_map(workdir: str) -> vocab.VocabMap | None:
@@ -70,23 +70,23 @@ def read_vocab_map(workdir: str) -> vocab.VocabMap | None:
     path = os.path.join(workdir, VOCAB_MAP)
     if not os.path.exists(path):
         return None
-    vmap = vocab.VocabMap.load(path)
+    vocab_map = vocab.VocabMap.load(path)
     if os.path.exists(os.path.join(workdir, "model.json")):
         rows = read_model_config(workdir).vocab_size
-        if len(vmap) != rows:
+        if len(vocab_map) != rows:
             raise ValueError(
-                f"{path}: {len(vmap)} ids, but the model (model.json) has {rows} embedding "
+                f"{path}: {len(vocab_map)} ids, but the model (model.json) has {rows} embedding "
                 "rows: the map is not this run's"
             )
-    return vmap
+    return vocab_map
 
 
-def _check_vocab(workdir: str, vmap: vocab.VocabMap | None, tok: Tokenizer, rows: int) -> None:
+def _check_vocab(workdir: str, vocab_map: vocab.VocabMap | None, tok: Tokenizer, rows: int) -> None:
     """Raises ValueError when a run's model ids cannot be read as tokens: a run trained with
     ``data.trim_vocab`` (config.json) but without vocab_map.json (its ids would be read as
     Qwen ids: garbage text), or a map whose ids lie past the tokenizer's."""
     path = os.path.join(workdir, VOCAB_MAP)
-    if vmap is None:
+    if vocab_map is None:
         config = os.path.join(workdir, "config.json")
         trimmed = False
         if os.path.exists(config):
@@ -96,9 +96,9 @@ def _check_vocab(workdir: str, vmap: vocab.VocabMap | None, tok: Tokenizer, rows
                 f"{path} not found: {workdir} was trained with data.trim_vocab=True ({rows} "
                 "embedding rows), and its model ids mean nothing without the map"
             )
-    elif int(vmap.ids[-1]) >= len(tok):
+    elif int(vocab_map.ids[-1]) >= len(tok):
         raise ValueError(
-            f"{path}: id {int(vmap.ids[-1])} lies past the tokenizer's {len(tok)} ids"
+            f"{path}: id {int(vocab_map.ids[-1])} lies past the tokenizer's {len(tok)} ids"
         )
 
 
@@ -250,8 +250,8 @@ def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = Non
     with Checkpoints(workdir) as checkpoints:
         params, step = checkpoints.restore_params(abstract, step)
     tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
-    vmap = read_vocab_map(workdir)
-    _check_vocab(workdir, vmap, tok, cfg.vocab_size)
-    if vmap is not None:
-        tok = vocab.MappedTokenizer(tok, vmap)
+    vocab_map = read_vocab_map(workdir)
+    _check_vocab(workdir, vocab_map, tok, cfg.vocab_size)
+    if vocab_map is not None:
+        tok = vocab.MappedTokenizer(tok, vocab_map)
     return nnx.merge(graphdef, params), tok, step

@@ -41,7 +41,7 @@ for name, kw in {
 }.items():
     kw = {"block_size": 4, "max_new_tokens": MAX_NEW, **kw}
     one = decode.generate(model, ids, lengths, **kw)
-    sharded = decode.generate(placed, ids, lengths, mesh=mesh, rules=rules, **kw)
+    sharded = decode.generate(placed, ids, lengths, mesh=mesh, axis_rules=rules, **kw)
     out[name] = {
         f: [np.asarray(getattr(o, f)).tolist() for o in (one, sharded)]
         for f in ("tokens", "accepted", "row_forwards")
@@ -53,7 +53,7 @@ for name, kw in {
 settings = decode.DecoderSettings(
     block_size=4, max_new_tokens=MAX_NEW, eos_ids=DEFAULT_EOS_IDS, mask_id=MASK_ID,
     sampling=False, cache_mode="sliding", rule="prob", adaptive_window=True, mesh=mesh,
-    rules=rules, on_accept=None,
+    axis_rules=rules, on_accept=None,
 )
 gd, params = nnx.split(placed)
 compiled = decode._generate.lower(

@@ -22,7 +22,7 @@ def mid():
 def settings(**kw) -> decode.DecoderSettings:
     base = dict(block_size=4, max_new_tokens=MAX_NEW, eos_ids=DEFAULT_EOS_IDS,
                 mask_id=MASK_ID, sampling=False, cache_mode="sliding", rule="prob",
-                adaptive_window=True, mesh=None, rules=None, on_accept=None)
+                adaptive_window=True, mesh=None, axis_rules=None, on_accept=None)
     return decode.DecoderSettings(**{**base, **kw})
 
 
