@@ -15,7 +15,7 @@ scores and softmax (`mars_jax.attention`), RMSNorm and the rotary tables are fp3
 Sharding: every parameter carries the logical names of its axes as flax partitioning metadata
 (``nnx.with_partitioning``; vocab, embed, heads, kv_heads, mlp, norm), which `mars_jax.sharding`
 maps to mesh axes. `abstract_model` is the shape-only model that all loading and placement
-starts from.
+starts from; `abstract_params` gives its parameters their shardings on a mesh.
 
 Shape notation: R rows (batch), T query length, S key length (cache slots), D hidden size,
 N query heads, K kv heads, H head dim, V embedding rows.

@@ -6,7 +6,10 @@ Model parameters carry logical axis names in flax's own partitioning metadata
 (layers, vocab, embed, heads, kv_heads, mlp, norm for parameters; batch, length,
 activation_embed for activations) to axes of the
 ``(data, fsdp, tensor)`` mesh. The table lives in the run config (``mesh.rules``; the default is
-`DEFAULT_RULES`) and is passed to every function that places arrays.
+`DEFAULT_RULES`) and is passed to every function that places arrays: `param_shardings` for a
+parameter State, `batch_sharding` for batches, `with_logical_constraint` for activations inside
+a traced function; `shardings_of` reads the shardings of a placed tree. The model's sharded
+abstract parameters are `mars_jax.model.abstract_params`; this module knows no model.
 """
 
 from __future__ import annotations
