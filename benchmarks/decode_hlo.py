@@ -5,7 +5,7 @@ r"""How the per-row KV-cache write and the decoder's per-row reads compile for T
       [--json] [--config.model.<key>=<value> ...]
 
 Decoding writes each row's T new keys/values into its cache [R, S, K, H] at the row's own slot
-offset (`mars_jax.model.write_rows`), and `mars_jax.decode` reads and writes per-row windows of
+offset (`mars_jax.kv_cache.write_window`), and `mars_jax.decode` reads and writes per-row windows of
 its token ids [R, S] and reads its hidden states [R, T, D] the same way. A ``vmap`` of
 ``lax.dynamic_update_slice`` / ``dynamic_slice`` is a scatter / gather, which libtpu may expand
 into a serial ``while`` loop over the rows (jax-ml/jax#21367, openxla/xla#12982).
@@ -16,11 +16,11 @@ script lowers and compiles ahead of time for an abstract TPU topology (libtpu, n
 - ``forward``: one cached decode forward of the model as `mars_jax.decode` runs it
   (``Qwen2.__call__`` on T query slots against S cache slots, each row at its own offset, the
   cache donated as in the decoder's loop), its cache write replaced by each of `WRITES`
-  ("model": `mars_jax.model.write_rows` as it is);
+  ("model": `mars_jax.kv_cache.write_window` as the model calls it);
 - ``write``: the write alone, on one layer's keys [R, S, K, H] (T new per row) and on the token
-  ids [R, S] (the B = (T + 1) // 2 candidates of a step, as ``decode._rowwise_update``);
+  ids [R, S] (the B = (T + 1) // 2 candidates of a step, as `mars_jax.decode` writes them);
 - ``read``: each of `READS` on the token ids [R, S] -> [R, T] (the step's window) and on the
-  hidden states [R, T, D] -> [R, B] (the block's candidates), as ``decode._rowwise_slice``.
+  hidden states [R, T, D] -> [R, B] (the block's candidates), as `mars_jax.decode` reads them.
 
 From the optimized HLO (``compiled.as_text()``) it reports every ``while`` loop, nested ones
 included: its bound (the integer constant of its condition: the trip count of a counter from 0),
@@ -76,8 +76,9 @@ from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
-from mars_jax import cli, decode, model as model_lib, sharding  # noqa: E402
+from mars_jax import cli, decode, kv_cache, model as model_lib, sharding  # noqa: E402
 from mars_jax import config as config_lib  # noqa: E402
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Per-row writes: x [R, N, ...] with new [R, T, ...] at positions start[r] .. start[r] + T - 1.
@@ -152,7 +153,7 @@ def write_unrolled_dus(x, new, start):
     return x
 
 
-# "model" is whatever mars_jax.model.write_rows is now.
+# "model" is whatever mars_jax.kv_cache.write_window is now (as mars_jax.model calls it).
 WRITES = {
     "model": None,
     "vmap_dus": write_vmap_dus,
@@ -169,7 +170,7 @@ WRITES = {
 
 
 def read_vmap_ds(x, start, size):
-    """vmapped ``dynamic_slice`` (`mars_jax.decode._rowwise_slice` today; a gather)."""
+    """vmapped ``dynamic_slice`` (`mars_jax.kv_cache.read_window` off TPU; a gather)."""
     return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size, axis=0))(x, start)
 
 
@@ -195,7 +196,7 @@ def read_unrolled_ds(x, start, size):
     )
 
 
-# "model" is mars_jax.model.read_rows.
+# "model" is mars_jax.kv_cache.read_window.
 READS = {
     "model": None,
     "vmap_ds": read_vmap_ds,
@@ -211,7 +212,7 @@ def model_write(name: str):
     if WRITES[name] is None:
         yield
     else:
-        with mock.patch.object(model_lib, "write_rows", WRITES[name]):
+        with mock.patch.object(model_lib, "write_window", WRITES[name]):
             yield
 
 
@@ -354,7 +355,7 @@ def abstract_inputs(cfg, rows, window, slots, param_sharding, row_sharding):
     params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=param_sharding), params
     )
-    cache = jax.eval_shape(lambda: model_lib.init_cache(cfg, rows, slots))
+    cache = jax.eval_shape(lambda: kv_cache.init_cache(cfg, rows, slots))
     cache = {
         k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=row_sharding(a.ndim, 1))
         for k, a in cache.items()
@@ -409,7 +410,7 @@ def compile_writes(cfg, devices, *, rows, slots, windows, writes, emit) -> list[
             emit(row)
         # The write alone, its own cost without the model's (target donated): one layer's keys
         # [R, S, K, H] with T new entries per row, and the decoder's committed tokens [R, S]
-        # with the B = (T + 1) // 2 candidates of a step (`mars_jax.decode._rowwise_update`).
+        # with the B = (T + 1) // 2 candidates of a step (as `mars_jax.decode` writes them).
         k = cache["k"]
         targets = {
             "k": ((rows, *k.shape[2:]), (rows, window, *k.shape[3:]), k.dtype),
@@ -419,7 +420,7 @@ def compile_writes(cfg, devices, *, rows, slots, windows, writes, emit) -> list[
             x = jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(len(shape), 0))
             new = jax.ShapeDtypeStruct(new_shape, dtype, sharding=row_sharding(len(shape), 0))
             for name in writes:
-                write = WRITES[name] or model_lib.write_rows
+                write = WRITES[name] or kv_cache.write_window
                 row = {"kind": "write", "array": what, "scheme": name, "window": window,
                        "shape": list(shape), "new": list(new_shape), "devices": len(devices)}
                 try:
@@ -450,7 +451,7 @@ def compile_reads(cfg, devices, *, rows, slots, windows, reads, emit) -> list[di
         start = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, 0))
         for what, (x, n) in arrays.items():
             for name in reads:
-                fn = jax.jit(functools.partial(READS[name] or model_lib.read_rows, size=n))
+                fn = jax.jit(functools.partial(READS[name] or kv_cache.read_window, size=n))
                 compiled = fn.lower(x, start).compile()
                 row = {"kind": "read", "scheme": name, "array": what, "shape": list(x.shape),
                        "size": n, "window": window, "devices": len(devices),
@@ -477,13 +478,13 @@ def time_writes_cpu(cfg, *, rows, slots, window, writes, forwards, repeats, seed
 
         with model_write(name):
             fns[name] = jax.jit(loop, donate_argnums=(1,)).lower(
-                params, model_lib.init_cache(cfg, rows, slots), start0
+                params, kv_cache.init_cache(cfg, rows, slots), start0
             ).compile()
     best = {name: float("inf") for name in writes}
     results = {}
     for _ in range(repeats + 1):  # the first round warms up
         for name, fn in fns.items():
-            cache = model_lib.init_cache(cfg, rows, slots)
+            cache = kv_cache.init_cache(cfg, rows, slots)
             jax.block_until_ready(cache)
             t0 = time.perf_counter()
             cache = jax.block_until_ready(fn(params, cache, start0))
@@ -504,7 +505,7 @@ def time_reads_cpu(*, rows, slots, window, reads, iters, repeats, seed=0) -> dic
     start = jnp.asarray(rng.integers(0, slots - window, (rows,)), jnp.int32)
     fns = {}
     for name in reads:
-        def loop(tokens, start, read=READS[name] or model_lib.read_rows):
+        def loop(tokens, start, read=READS[name] or kv_cache.read_window):
             def body(i, acc):
                 got = read(tokens, (start + acc) % (slots - window), window)
                 return acc + got[:, 0] % 2
@@ -540,7 +541,7 @@ def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_si
     """Lowers and compiles the whole decoder (`mars_jax.decode._generate`: prefill, the
     ``while_loop`` of steps, the output) for each of ``decoders`` (`DECODERS`; "ar" with block
     size 1) on ``devices``: one device, or a (data = all devices) mesh with the default rules,
-    as ``decode.generate(..., mesh=, rules=)`` runs it."""
+    as ``decode.generate(..., mesh=, axis_rules=)`` runs it."""
     mesh = rules = None
     if len(devices) > 1:
         mesh = sharding.make_mesh(data=-1, devices=devices)
@@ -561,9 +562,9 @@ def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_si
         cache_mode, rule = DECODERS[name]
         b = 1 if name == "ar" else block_size
         settings = decode.DecoderSettings(
-            block_size=b, max_new_tokens=max_new_tokens, eos_ids=decode.DEFAULT_EOS_IDS,
-            mask_id=decode.MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
-            adaptive_window=True, mesh=mesh, rules=rules, on_accept=None,
+            block_size=b, max_new_tokens=max_new_tokens, eos_ids=DEFAULT_EOS_IDS,
+            mask_id=MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
+            adaptive_window=True, mesh=mesh, axis_rules=rules, on_accept=None,
         )
         scalar = lambda dtype: arg((), dtype, param_sharding)
         t0 = time.perf_counter()

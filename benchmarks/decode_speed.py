@@ -93,11 +93,13 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from mars_jax import cli, data, decode, huggingface, vocab, workdir as wd
+from mars_jax import cli, decode, huggingface, vocab, workdir as wd
 from mars_jax import config as config_lib
+from mars_jax.batches import eval_examples, eval_source
 from benchmarks import decode_step
-from mars_jax.model import ModelConfig, Qwen2, init_cache
-from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
+from mars_jax.kv_cache import init_cache
+from mars_jax.model import Qwen2
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
 
 MODELS = ("trained", "qwen0_5b_shape", "qwen7b_shape", "tiny_shape")
 # MARS decoders: the `decode.generate` keywords besides block size and threshold.
@@ -172,7 +174,7 @@ def load_transformers(model: Qwen2, *, eos_ids: Sequence[int], pad_id: int):
     return hf
 
 
-def make_subject(name: str, model: Qwen2, prompts, *, eos_ids=decode.DEFAULT_EOS_IDS,
+def make_subject(name: str, model: Qwen2, prompts, *, eos_ids=DEFAULT_EOS_IDS,
                  pad_id: int = ENDOFTEXT_ID, **fields) -> Subject:
     """A `Subject` of ``model`` with its transformers twin (`load_transformers`); ``fields``
     are the other `Subject` fields."""
@@ -193,13 +195,13 @@ def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir:
                 raise ValueError("--model=trained needs --workdir (a trained run)")
             model, tok, _ = wd.load_model(workdir)
             need = max(b * math.ceil(num_prompts / b) for b in batch_sizes)
-            source, fmt, seed = data.eval_source(config)
-            examples = data.eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
+            source, fmt, seed = eval_source(config)
+            examples = eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
             prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
             prompts = [prompts[i % len(prompts)] for i in range(need)]
             subjects.append(make_subject(
                 name, model, prompts, block_size=wd.trained_block_size(workdir),
-                max_new_tokens=max_new_tokens, eos_ids=vocab.model_ids(tok, decode.DEFAULT_EOS_IDS),
+                max_new_tokens=max_new_tokens, eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
                 pad_id=tok.pad_id, mask_id=tok.mask_id, min_prompts=num_prompts,
             ))
         elif name.endswith("_shape") and name[: -len("_shape")] in decode_step.SHAPES:

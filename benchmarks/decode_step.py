@@ -48,6 +48,7 @@ from flax import nnx
 
 from mars_jax import decode
 from mars_jax.model import ModelConfig, abstract_model
+from mars_jax.tokenizer import MASK_ID
 
 MODES = ("ar", "sliding", "sliding_fixed", "block")
 SHAPES = ("tiny", "qwen0_5b", "qwen7b")
@@ -79,13 +80,13 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> tuple[object, nnx.State]:
 
 
 def make_decoder(graphdef, *, block_size: int, mode: str, max_new_tokens: int,
-                 mesh=None, rules=None) -> decode.Decoder:
+                 mesh=None, axis_rules=None) -> decode.Decoder:
     """The `decode.Decoder` of ``mode`` (`MODES`; ``ar`` is block size 1), with no EOS."""
     return decode.Decoder(graphdef, decode.DecoderSettings(
         block_size=1 if mode == "ar" else block_size, max_new_tokens=max_new_tokens, eos_ids=(),
-        mask_id=decode.MASK_ID, sampling=False,
+        mask_id=MASK_ID, sampling=False,
         cache_mode="block" if mode == "block" else "sliding", rule="prob",
-        adaptive_window=mode != "sliding_fixed", mesh=mesh, rules=rules, on_accept=None,
+        adaptive_window=mode != "sliding_fixed", mesh=mesh, axis_rules=axis_rules, on_accept=None,
     ))
 
 
@@ -234,7 +235,7 @@ def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: in
     vocabulary) and ``choice`` (argmax and the prob confidence of those logits). With
     ``profile_dir``, a jax.profiler trace of one AR step and one narrow step is written there.
     """
-    from mars_jax.model import init_cache
+    from mars_jax.kv_cache import init_cache
 
     cfg = model_config(shape, dtype)
     graphdef, params = random_params(cfg)

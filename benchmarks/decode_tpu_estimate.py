@@ -6,7 +6,7 @@ r"""What one decode step costs on TPU, by mode, as libtpu's compiler estimates i
 Each forward a decode step can run (`mars_jax.decode.Decoder.branch`) is lowered and compiled
 ahead of time for the TPU topology with libtpu on this CPU, as launch/memory_plan.py does for
 the train step: inputs are ``jax.ShapeDtypeStruct``s with shardings (parameters by the training
-rules, ``tensor`` chips over heads; the KV cache by `mars_jax.model.CACHE_AXES`), so nothing is
+rules, ``tensor`` chips over heads; the KV cache by `mars_jax.kv_cache.CACHE_AXES`), so nothing is
 allocated. The programs, per batch R and block size B:
 
   ar      block_size 1: one query slot per row (the baseline);
@@ -55,7 +55,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from benchmarks import decode_hlo, decode_step, roofline  # noqa: E402
 from launch import memory_plan  # noqa: E402
 from mars_jax import cli, decode, sharding  # noqa: E402
-from mars_jax.model import CACHE_AXES  # noqa: E402
+from mars_jax.kv_cache import CACHE_AXES  # noqa: E402
+from mars_jax.model import abstract_params  # noqa: E402
 
 # Program -> (decode_step mode, Decoder.branch name, roofline mode).
 PROGRAMS = {
@@ -75,7 +76,7 @@ def compile_program(graphdef, params, *, program: str, block_size: int, rows: in
     (microseconds, flops and bytes per device) and memory."""
     mode, branch, _ = PROGRAMS[program]
     decoder = decode_step.make_decoder(graphdef, block_size=block_size, mode=mode,
-                                       max_new_tokens=max_new_tokens, mesh=mesh, rules=rules)
+                                       max_new_tokens=max_new_tokens, mesh=mesh, axis_rules=rules)
     replicated = NamedSharding(mesh, P())
     cache_sharding = NamedSharding(mesh, sharding.logical_spec(CACHE_AXES, rules))
 
@@ -115,7 +116,7 @@ def estimate(*, shape: str, topology: str, tensor: int, batch_sizes: Sequence[in
     mesh = sharding.make_mesh(data=-1, tensor=tensor, devices=devices)
     rules = sharding.logical_rules()
     cfg = decode_step.model_config(shape, dtype, scan_layers=False)
-    graphdef, params = sharding.abstract_params(cfg, mesh, rules)
+    graphdef, params = abstract_params(cfg, mesh, rules)
     hw = next(h for h in roofline.ACCELERATORS
               if h.name == HARDWARE[topology.partition(":")[0]])
     rows = []

@@ -71,12 +71,13 @@ def measure(path: str, mode: str, process: int, port: int) -> dict:
     import jax
 
     from mars_jax import huggingface, sharding
+    from mars_jax.model import abstract_params
 
     if mode == "sharded2":
         jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process)
     cfg = _model_config("float32")
     mesh = sharding.make_mesh(data=1, fsdp=8, tensor=1)
-    _, abstract = sharding.abstract_params(cfg, mesh, sharding.logical_rules())
+    _, abstract = abstract_params(cfg, mesh, sharding.logical_rules())
     before, start = _status("VmRSS"), time.time()
     if mode == "host":
         shardings = jax.tree.map(lambda x: x.sharding, abstract)

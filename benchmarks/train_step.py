@@ -45,9 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, data, sharding, train, train_step
+from mars_jax import cli, sharding, train, train_step
 from mars_jax import config as config_lib
-from mars_jax.model import ModelConfig
+from mars_jax.batches import Example
+from mars_jax.model import ModelConfig, abstract_params
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import MASK_ID
 
 
@@ -88,10 +90,10 @@ def matmul_peak(dtype: str, size: int, repeats: int = 5) -> float:
 def synthetic_batch(rows: int, length: int, label_fraction: float, seed: int = 0) -> dict:
     """{input_ids, labels} int32 [rows, length]: ids uniform over the ordinary Qwen2.5 tokens
     (below the special ones), labels = ids on the last ``round(label_fraction * length)``
-    positions of each row and `data.IGNORE_INDEX` before them (prompt, then answer)."""
+    positions of each row and `objectives.IGNORE_INDEX` before them (prompt, then answer)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 151643, size=(rows, length), dtype=np.int32)
-    labels = np.full_like(ids, data.IGNORE_INDEX)
+    labels = np.full_like(ids, IGNORE_INDEX)
     answer = max(1, round(label_fraction * length))
     labels[:, length - answer:] = ids[:, length - answer:]
     return {"input_ids": ids, "labels": labels}
@@ -105,11 +107,11 @@ def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float,
     c.objective.name = objective
     c.init_from = ""
     model_cfg = ModelConfig(**c.model)
-    examples = [data.Example(ids, labels, r)
+    examples = [Example(ids, labels, r)
                 for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))]
     obj = train_step.objective_settings(c, MASK_ID, examples)
     mesh, rules = sharding.mesh_from_config(c.mesh)
-    graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
+    graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, _ = train_step.optimizer(c, num_steps=1000)  # the schedule does not change the cost
     step = train_step.build_train_step(c, graphdef, abstract, obj, tx, mesh, rules)
     params = train.initial_params(c, model_cfg, abstract)

@@ -37,7 +37,7 @@ import jax
 from absl import flags, logging
 
 from mars_jax import cli, evaluate, plots, train
-from mars_jax import workdir as wd
+from mars_jax.checkpoints import Checkpoints
 
 
 def run_configs(exp) -> dict:
@@ -113,7 +113,7 @@ def run_each(exp, root: str):
         start = time.perf_counter()
         logging.info("claims: training %s", name)
         train.train(cfg, workdir)
-        with wd.Checkpoints(workdir) as checkpoints:
+        with Checkpoints(workdir) as checkpoints:
             if checkpoints.latest_step() != cfg.train.num_steps:  # stopped by SIGTERM / Ctrl-C
                 logging.info("claims: %s stopped early; rerun the command to resume", name)
                 return

@@ -160,7 +160,7 @@ def plan_row(cfg, topology: str, devices: list[jax.Device]) -> dict:
         mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
         row["mesh"] = dict(mesh.shape)
         rules = sharding.logical_rules(m.rules)
-        graphdef, abstract = sharding.abstract_params(model.ModelConfig(**cfg.model), mesh, rules)
+        graphdef, abstract = model.abstract_params(model.ModelConfig(**cfg.model), mesh, rules)
         obj = train_step.objective_settings(cfg, MASK_ID, examples=())
         tx, _ = train_step.optimizer(cfg, num_steps=1)
         step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)

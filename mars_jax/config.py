@@ -28,7 +28,7 @@ import ml_collections
 from mars_jax import sharding
 from mars_jax.errors import MissingPath, SettingError
 
-SOURCES = ("synthetic", "gsm8k", "messages")  # data.SYNTHETIC and the row formats
+SOURCES = ("synthetic", "gsm8k", "messages")  # rows.SYNTHETIC and the row formats
 OBJECTIVE_NAMES = ("ar", "mars")  # objectives.OBJECTIVES
 NORMALIZATIONS = ("sequence", "token")
 # How each sequence's noisy CE is weighted: "none", or "inverse_t" (the reference's no-SFT trainer).
@@ -486,20 +486,17 @@ class ObjectiveConfig:
             )
 
 
-def objective_config(cfg, mask_id: int, examples) -> ObjectiveConfig:
+def objective_config(cfg, mask_id: int, longest_labels: int = 0) -> ObjectiveConfig:
     """The `ObjectiveConfig` of run config ``cfg`` (its ``objective`` section) with ``mask_id``.
 
-    ``objective.max_label_tokens`` 0 means: the most labelled tokens of any of ``examples`` (a
-    list of `data.Example`), rounded up to a multiple of 8 (logits are computed at that many
-    positions per row)."""
-    from mars_jax.data import IGNORE_INDEX  # data imports the tokenizer; only needed here
-
+    ``objective.max_label_tokens`` 0 means: ``longest_labels`` (the most labelled tokens of any
+    training example, `train_step.objective_settings`) rounded up to a multiple of 8 (logits are
+    computed at that many positions per row)."""
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)} - {"mask_id"}
     obj = ObjectiveConfig(**{k: v for k, v in cfg.objective.items() if k in fields},
                           mask_id=mask_id)
     if not obj.max_label_tokens:
-        longest = max(int((e.labels != IGNORE_INDEX).sum()) for e in examples)
-        obj = dataclasses.replace(obj, max_label_tokens=-(-longest // 8) * 8)
+        obj = dataclasses.replace(obj, max_label_tokens=-(-longest_labels // 8) * 8)
     return obj
 
 

@@ -46,7 +46,7 @@ stale values; they are always rewritten before being attended.
 
 Under a ``mesh`` the decoder runs sharded by the training rules: parameters as placed (see
 `mars_jax.workdir.load_model`), rows over the batch axes, the KV cache's KV heads over
-``tensor`` (`mars_jax.model.CACHE_AXES`).
+``tensor`` (`mars_jax.kv_cache.CACHE_AXES`).
 
 Structure (after gemma's sampler loop and tunix's sampler): a frozen `Decoder` (the model's
 graphdef and the static `DecoderSettings`) whose jitted methods ``prefill``, ``step`` (one
@@ -71,18 +71,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mars_jax.errors import InputError
-from mars_jax.model import (
-    KVCache,
-    Qwen2,
-    causal_mask,
-    init_cache,
-    read_rows,
-    with_logical_constraint,
-    write_rows,
-)
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
+from mars_jax.kv_cache import KVCache, init_cache, read_window, write_window
+from mars_jax.model import Qwen2, causal_mask
+from mars_jax.sharding import with_logical_constraint
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
 
-DEFAULT_EOS_IDS = (IM_END_ID, ENDOFTEXT_ID)
 CACHE_MODES = ("sliding", "block", "none")
 
 
@@ -357,7 +350,7 @@ class DecoderSettings:
     rule: str
     adaptive_window: bool
     mesh: Mesh | None
-    rules: Any  # flax logical-axis rules ((name, mesh axes), ...) or None
+    axis_rules: Any  # flax logical-axis rules ((name, mesh axes), ...) or None
     on_accept: Callable | None
 
     @property
@@ -395,7 +388,7 @@ class Decoder:
       result = decoder.result(state)
 
     `decode` runs the same as one program (a ``lax.while_loop``); `generate` is its checked,
-    host-side entry. Under ``settings.mesh`` every method runs sharded by ``settings.rules``.
+    host-side entry. Under ``settings.mesh`` every method runs sharded by ``settings.axis_rules``.
     """
 
     graphdef: Any
@@ -412,7 +405,7 @@ class Decoder:
         with contextlib.ExitStack() as stack:
             if st.mesh is not None:
                 stack.enter_context(jax.sharding.use_abstract_mesh(st.mesh.abstract_mesh))
-                stack.enter_context(nnx.logical_axis_rules(st.rules))
+                stack.enter_context(nnx.logical_axis_rules(st.axis_rules))
             yield
 
     # The jitted entry points: each enters the mesh and traces the `_`-method of its name.
@@ -568,10 +561,10 @@ class Decoder:
         # after the prompt, and its first token is predicted from the prompt's last output.
         if st.cache_mode == "sliding":
             return s.replace(cache=cache, cache_cursor=prompt_lengths - 1)
-        last = read_rows(hidden, prompt_lengths - 1, 1)
+        last = read_window(hidden, prompt_lengths - 1, 1)
         first = self._choose(s, self._project(model, s, last), prompt_lengths[:, None])
         return s.replace(cache=cache, cache_cursor=prompt_lengths,
-                         tokens=write_rows(s.tokens, first, prompt_lengths))
+                         tokens=write_window(s.tokens, first, prompt_lengths))
 
     @property
     def branches(self) -> tuple[str, ...]:
@@ -616,33 +609,33 @@ class Decoder:
         if s.cache is None:  # the whole sequence from position 0
             start, window_ids = jnp.zeros_like(s.cache_cursor), s.tokens
         else:
-            start, window_ids = s.cache_cursor, read_rows(s.tokens, s.cache_cursor, width)
+            start, window_ids = s.cache_cursor, read_window(s.tokens, s.cache_cursor, width)
         fed = s.committed + s.num_drafts  # committed tokens and drafts; masks after them
         pos = start[:, None] + jnp.arange(width)
         ids = jnp.where(pos < fed[:, None], window_ids, st.mask_id)
         hidden, cache = self._forward(model, ids, start, s.cache)
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
-        logits = self._project(model, s, read_rows(hidden, first, B))  # [R, B, V]
+        logits = self._project(model, s, read_window(hidden, first, B))  # [R, B, V]
         token = self._choose(s, logits, s.committed[:, None] + jnp.arange(B))
         if not self.acceptance.drafts:
             ok = _confident(self.acceptance.confidence(logits, token), s.threshold)
             count, hit_eos = _count(token, ok, eos, self._budget(s))
             return self._advance(
-                s, cache=cache, tokens=write_rows(s.tokens, token, s.committed),
+                s, cache=cache, tokens=write_window(s.tokens, token, s.committed),
                 count=count, hit_eos=hit_eos, cache_cursor=s.committed, accepted=token,
             )
         # verify: candidate i (i >= 1) is the AR prediction after draft i-1; it is exact while
         # every draft before it equals the AR prediction at its position.
-        drafts = read_rows(s.tokens, s.committed, B)
+        drafts = read_window(s.tokens, s.committed, B)
         i = jnp.arange(1, B)[None]
         ok = (i <= s.num_drafts[:, None]) & (drafts[:, :-1] == token[:, :-1])
         count, hit_eos = _count(token, jnp.pad(ok, ((0, 0), (1, 0))), eos, self._budget(s))
-        tokens = write_rows(s.tokens, token, s.committed)
+        tokens = write_window(s.tokens, token, s.committed)
         # New drafts: the masks after the last draft predict the tokens after the AR token that
         # follows it; they are valid only where every draft was accepted.
         if B > 1:
-            after = read_rows(hidden, first + s.num_drafts + 1, B - 1)
+            after = read_window(hidden, first + s.num_drafts + 1, B - 1)
             draft_logits = self._project(model, s, after)
             new_drafts = self._choose(s, draft_logits, (s.committed + s.num_drafts)[:, None] + i)
             sure = _confident(self.acceptance.confidence(draft_logits, new_drafts), s.threshold)
@@ -651,7 +644,7 @@ class Decoder:
             num = jnp.minimum(jnp.cumprod(sure, axis=1).sum(axis=1), jnp.maximum(room, 0))
             all_ok = (count == s.num_drafts + 1) & ~hit_eos
             num_drafts = jnp.where(all_ok, num, 0).astype(jnp.int32)
-            tokens = write_rows(tokens, new_drafts, s.committed + count)
+            tokens = write_window(tokens, new_drafts, s.committed + count)
         else:
             num_drafts = jnp.zeros_like(s.num_drafts)
         return self._advance(
@@ -666,7 +659,7 @@ class Decoder:
         block_pos = jnp.arange(B)
         start = s.cache_cursor
         filled = s.committed - start
-        block = read_rows(s.tokens, start, B)
+        block = read_window(s.tokens, start, B)
         ids = jnp.where(block_pos[None] < filled[:, None], block, st.mask_id)
         hidden, cache = self._forward(model, ids, start, s.cache)  # block keys rewritten later
         # Candidate for block position i: the prefix's prediction (i = 0) or slot i-1's output.
@@ -676,11 +669,11 @@ class Decoder:
         cand = jnp.concatenate([block[:, :1], token], axis=1)  # [R, B]
         conf = jnp.concatenate([jnp.ones_like(conf[:, :1]), conf], axis=1)
         pad = lambda x: jnp.pad(x, ((0, 0), (0, B)))
-        cand = read_rows(pad(cand), filled, B)
-        ok = _confident(read_rows(pad(conf), filled, B), s.threshold)
+        cand = read_window(pad(cand), filled, B)
+        ok = _confident(read_window(pad(conf), filled, B), s.threshold)
         count, hit_eos = _count(cand, ok, eos, jnp.minimum(self._budget(s), B - filled))
         return self._advance(
-            s, cache=cache, tokens=write_rows(s.tokens, cand, s.committed),
+            s, cache=cache, tokens=write_window(s.tokens, cand, s.committed),
             count=count, hit_eos=hit_eos, cache_cursor=start, accepted=cand,
         )
 
@@ -688,7 +681,7 @@ class Decoder:
         B = self.settings.block_size
         if B == 1:  # the block's one token is the prefix's prediction: accept it, then commit
             eos = jnp.asarray(self.settings.eos_ids, jnp.int32)
-            pending = read_rows(s.tokens, s.committed, 1)
+            pending = read_window(s.tokens, s.committed, 1)
             count, hit_eos = _count(pending, jnp.ones_like(pending, bool), eos, self._budget(s))
             s = self._advance(
                 s, cache=s.cache, tokens=s.tokens, count=count, hit_eos=hit_eos,
@@ -701,12 +694,12 @@ class Decoder:
     def _write_block(self, model, s: DecodeState) -> DecodeState:
         B = self.settings.block_size
         start = s.cache_cursor
-        hidden, cache = self._forward(model, read_rows(s.tokens, start, B), start, s.cache)
+        hidden, cache = self._forward(model, read_window(s.tokens, start, B), start, s.cache)
         # The next block's first token.
         token = self._choose(s, self._project(model, s, hidden[:, B - 1 :]), (start + B)[:, None])
         zero = jnp.zeros_like(start)
         return self._advance(
-            s, cache=cache, tokens=write_rows(s.tokens, token, start + B), count=zero,
+            s, cache=cache, tokens=write_window(s.tokens, token, start + B), count=zero,
             hit_eos=zero.astype(bool), cache_cursor=start + B,
         )
 
@@ -753,7 +746,7 @@ def generate(
     mask_id: int = MASK_ID,
     seed: int | Sequence[int] | np.ndarray = 0,
     mesh: Mesh | None = None,
-    rules: Any = None,
+    axis_rules: Any = None,
     on_accept: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> DecodeOutput:
     """Decodes a batch of prompts with MARS threshold decoding (one jitted program).
@@ -786,9 +779,10 @@ def generate(
       seed: PRNG seed for sampling, in 0..2**32-1: one for every row, or one per row [R]. Row r's
         sample depends only on its prompt, its seed and the settings, not on the batch (module
         docstring); rows with equal seeds share noise position by position.
-      mesh, rules: decode sharded on ``mesh`` by the flax logical-axis ``rules``
-        (`mars_jax.sharding.logical_rules`); the parameters should already be placed by the same
-        rules (`mars_jax.workdir.load_model` does).
+      mesh, axis_rules: decode sharded on ``mesh`` by the flax logical-axis rules
+        ``axis_rules`` (`mars_jax.sharding.logical_rules`; not the acceptance ``rule``); the
+        parameters should already be placed by the same rules (`mars_jax.workdir.load_model`
+        does).
       on_accept: called on the host after every forward that may accept tokens, with
         (candidates int32 [R, C], counts int32 [R]): row r accepted candidates[r, :counts[r]]
         (0 for finished rows). For streaming; ordered; the EOS, if any, is included.
@@ -798,7 +792,7 @@ def generate(
       whose length is outside 1..P, e.g. an empty prompt), no rows, block_size < 1,
       max_new_tokens < 0, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
       temperature, ``verify`` with sampling or in ``block`` mode, a seed that is not an integer
-      in 0..2**32-1 or not one for every row, or a mesh without rules.
+      in 0..2**32-1 or not one for every row, or a mesh without axis_rules.
     """
     prompt_ids = np.asarray(prompt_ids, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
@@ -843,8 +837,8 @@ def generate(
     seeds = np.broadcast_to(seeds, (rows,)).astype(np.uint32)
     if max_accept_per_step is not None and max_accept_per_step < 1:
         raise InputError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
-    if (mesh is None) != (rules is None):
-        raise InputError("mesh and rules go together: pass both or neither")
+    if (mesh is None) != (axis_rules is None):
+        raise InputError("mesh and axis_rules go together: pass both or neither")
     if max_new_tokens == 0:  # nothing to decode: empty completions, nothing compiled or run
         zeros = np.zeros((rows,), np.int32)
         return DecodeOutput(np.zeros((rows, 0), np.int32), zeros, zeros.copy(), zeros.copy(), 0)
@@ -858,7 +852,7 @@ def generate(
         rule=rule,
         adaptive_window=adaptive_window,
         mesh=mesh,
-        rules=None if rules is None else tuple(rules),
+        axis_rules=None if axis_rules is None else tuple(axis_rules),
         on_accept=on_accept,
     )
     graphdef, params = nnx.split(model)

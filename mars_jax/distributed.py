@@ -7,7 +7,7 @@ shows a multi-process launch (Slurm, Open MPI, Cloud TPU pods, Kubernetes: JAX's
 detection), else not at all (one process, as before).
 
 Batches: every process builds the same example list and the same sequence of global batches
-(`data.batched_dataset` is deterministic in the seed), but collates only the rows that its own
+(`batches.batched_dataset` is deterministic in the seed), but collates only the rows that its own
 devices hold (`process_rows`), and `global_batch` assembles the global array from each
 process's part. Global batch ``i`` is therefore the same rows in the same order whatever the
 number of processes, so a run on N processes computes what a run on one process with the same

@@ -5,14 +5,14 @@ r"""Evaluation: accuracy and speed of threshold decoding, and teacher-forced NLL
 Restores the latest checkpoint of ``workdir``, decodes ``eval.num_examples`` evaluation prompts
 (GSM8K test questions, or held-out synthetic problems) at each of ``eval.thresholds`` and
 reports per threshold: accuracy (the completion's final answer is numerically equal to the
-reference's, `answer_value`), tokens per forward, wall clock (below), mean completion length,
-and agreement with the threshold-1.0 (one-token, i.e. AR) output, decoding with
-``eval.cache_mode`` and ``eval.rule`` (see `mars_jax.decode`); once per checkpoint, the mean
-per-token negative log-likelihood of the reference answers under plain AR teacher forcing (paper
-Sec. 5 reports accuracy and tokens per forward). With ``eval.temperature`` > 0, prompt i samples
-with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``. Everything is
-also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per evaluation, so that
-earlier evaluations, at other thresholds or steps, are kept) and copied to
+reference's, `mars_jax.grading.answer_value`), tokens per forward, wall clock (below), mean
+completion length, and agreement with the threshold-1.0 (one-token, i.e. AR) output, decoding
+with ``eval.cache_mode`` and ``eval.rule`` (see `mars_jax.decode`); once per checkpoint, the
+mean per-token negative log-likelihood of the reference answers under plain AR teacher forcing
+(paper Sec. 5 reports accuracy and tokens per forward). With ``eval.temperature`` > 0, prompt i
+samples with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``.
+Everything is also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per
+evaluation, so that earlier evaluations, at other thresholds or steps, are kept) and copied to
 ``workdir/eval.json`` (the latest evaluation), each with the Pareto plot of its thresholds
 beside it (``.png``: accuracy against tokens per forward); see `write_report`.
 ``eval.thresholds`` must each lie in (0, 1]; they are checked before anything is loaded.
@@ -29,11 +29,8 @@ From Python: ``evaluate.evaluate(config, workdir)`` with the run's ``ConfigDict`
 
 from __future__ import annotations
 
-import decimal
-import fractions
 import json
 import os
-import re
 import shutil
 import time
 
@@ -41,136 +38,17 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, config, data, decode, plots, vocab, workdir as wd
 from mars_jax.errors import AlreadyExists, InputError
+from mars_jax import cli, config, decode, plots, vocab, workdir as wd
+from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
+from mars_jax.grading import accuracy, extract_answer
 from mars_jax.objectives import ar_loss
+from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
 # Wall-clock measurements, in a result row or at the top of a report: they differ between two
 # evaluations of the same checkpoint.
 WALL_CLOCK_KEYS = ("tokens_per_s", "seconds", "speedup", "conversion", "ar_tokens_per_s",
                    "ar_seconds")
-
-# An unsigned number: digits with comma thousands separators in groups of exactly three
-# ("1,000", "12,345.5"), or plain digits ("1000", "5.50"), or a bare decimal part (".5").
-_UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"
-# Not inside a number; then a sign (not after a word character or closing bracket: "3-5" is 3
-# and 5) and an optional currency sign, or a currency sign and an optional sign; the number; an
-# optional denominator ("a/b"); an optional percent sign.
-_NUMBER = re.compile(
-    r"(?<![\d.])(?:(?<![\w)\]}])(?P<sign>[-+\u2212])(?:\\?\$)?|\\?\$(?P<sign2>[-+\u2212])?)?"
-    rf"(?P<num>{_UNSIGNED})(?:/(?P<den>{_UNSIGNED}))?(?:\s?\\?%)?"
-)
-_FRAC = re.compile(rf"\\[dt]?frac\{{\s*({_UNSIGNED})\s*\}}\{{\s*({_UNSIGNED})\s*\}}")
-
-
-def _to_fraction(number: str) -> fractions.Fraction:
-    return fractions.Fraction(number.replace(",", ""))
-
-
-def _numbers(text: str) -> list[fractions.Fraction]:
-    """The numbers written in ``text``, in order, as exact fractions (see `answer_value`)."""
-    text = _FRAC.sub(r"\1/\2", text.replace("{,}", ","))
-    out = []
-    for m in _NUMBER.finditer(text):
-        value = _to_fraction(m["num"])
-        if m["den"] is not None:
-            den = _to_fraction(m["den"])
-            if den == 0:
-                continue
-            value /= den
-        negative = (m["sign"] or m["sign2"] or "+") != "+"
-        out.append(-value if negative else value)
-    return out
-
-
-def _boxed(text: str) -> str | None:
-    r"""The content of the last ``\boxed{...}`` in ``text`` (braces balanced; an unclosed
-    one runs to the end), else None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return text[i + 1 :]  # unclosed: the rest of the text
-
-
-def answer_value(text: str) -> fractions.Fraction | None:
-    r"""The final answer of a GSM8K reference or a model completion, as an exact number.
-
-    Where: the first number after the first ``####`` (GSM8K's answer line; None when no number
-    follows it); else the last number inside the last ``\boxed{...}``; else the last number in
-    the text. What counts as a number (numbers are compared exactly, as fractions):
-
-    - a sign ``-``, ``+`` or ``−`` (U+2212), not right after a letter, digit or closing
-      bracket: "3-5" holds 3 and 5;
-    - a currency sign ``$`` (or LaTeX ``\$``), before or after the sign: "$1,000", "-$5";
-    - digits with comma thousands separators in groups of exactly three ("1,000", "12,345.50";
-      LaTeX "1{,}000" too), or plain digits; a decimal part after a point (".5" included).
-      Trailing zeros do not matter: "5.50" = "5.5", "18.00" = "18". A point not followed by a
-      digit ends the number ("is 18." is 18);
-    - a fraction "a/b" or ``\frac{a}{b}`` (``\dfrac``, ``\tfrac``) of such numbers (b != 0);
-    - a percent sign (``%`` or ``\%``) is dropped: "25%" is 25, as GSM8K writes percentages bare.
-
-    Not numbers, by decision: commas as decimal points or points as thousands separators
-    (European "1.000" is 1 and "3,5" is 3 then 5), spaces as thousands separators ("1 000" is 1
-    then 0), number words, scientific notation, mixed numbers ("1 1/2" is 1 then 1/2).
-
-    Returns a `fractions.Fraction`, or None when there is no number.
-    """
-    if "####" in text:
-        numbers = _numbers(text.split("####", 1)[1])
-        return numbers[0] if numbers else None
-    boxed = _boxed(text)
-    if boxed is not None and (numbers := _numbers(boxed)):
-        return numbers[-1]
-    numbers = _numbers(text)
-    return numbers[-1] if numbers else None
-
-
-def format_number(value: fractions.Fraction) -> str:
-    """``value`` written canonically: an integer ("1000", "-3"), an exact decimal without
-    trailing zeros ("5.5", "0.25"), or "p/q" where no finite decimal is exact ("1/3")."""
-    if value.denominator == 1:
-        return str(value.numerator)
-    d = value.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    if d != 1:
-        return str(value)
-    digits = len(str(value.numerator)) + len(str(value.denominator)) + 2
-    with decimal.localcontext(decimal.Context(prec=digits)):
-        exact = decimal.Decimal(value.numerator) / decimal.Decimal(value.denominator)
-    return format(exact.normalize(), "f")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of ``text`` (`answer_value`) written canonically (`format_number`): two
-    texts' answers are numerically equal exactly when these strings are equal. None when there
-    is no number."""
-    value = answer_value(text)
-    return None if value is None else format_number(value)
-
-
-def answers_match(completion: str, reference: str) -> bool:
-    """Whether the final answers of ``completion`` and ``reference`` (`answer_value`) are the
-    same number; False when either has none."""
-    answer, expected = answer_value(completion), answer_value(reference)
-    return answer is not None and expected is not None and answer == expected
-
-
-def accuracy(completions: list[str], references: list[str]) -> float:
-    """The fraction of ``completions`` whose final answer equals that of the reference at the
-    same index (`answers_match`); 0.0 for no completions. Raises ValueError for lists of
-    different lengths."""
-    if len(completions) != len(references):
-        raise InputError(f"{len(completions)} completions for {len(references)} references")
-    correct = [answers_match(c, r) for c, r in zip(completions, references)]
-    return float(np.mean(correct)) if correct else 0.0
-
 
 def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int) -> float:
     """Mean per-token NLL (nats) of the reference answers (+ <|im_end|>) under AR teacher forcing."""
@@ -178,13 +56,13 @@ def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int
         {"messages": prompt + [{"role": "assistant", "content": answer}]}
         for prompt, answer in examples
     ]
-    tokenized, _ = data.build_examples(
+    tokenized, _ = build_examples(
         rows, tok, "messages", max_length=max_length, block_size=1, source_name="eval"
     )
     obj = config.ObjectiveConfig(name="ar", normalization="token", max_label_tokens=None)
     loss = jax.jit(lambda m, b: ar_loss(m, b, obj)[1])
     total, count = 0.0, 0
-    ds = data.batched_dataset(
+    ds = batched_dataset(
         tokenized,
         batch_size=batch_size,
         max_length=max_length,
@@ -266,8 +144,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     e = cfg.eval
     thresholds = [float(t) for t in e.thresholds]  # checked by config.validate
     model, tok, step = wd.load_model(workdir, step=step)
-    source, fmt, seed = data.eval_source(cfg)
-    examples = data.eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
+    source, fmt, seed = eval_source(cfg)
+    examples = eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
         raise InputError(
             f"no evaluation examples in {source} read as {fmt!r} rows "
@@ -296,7 +174,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             rule=e.rule,
             seed=cfg.seed,
             mask_id=tok.mask_id,
-            eos_ids=vocab.model_ids(tok, decode.DEFAULT_EOS_IDS),
+            eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
         )
 
     timed = {}  # (block size, threshold) -> (DecodeOutput, best seconds)
@@ -365,36 +243,9 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         "ar_seconds": ar_seconds,
         "results": results,
     }
-    print(format_table(report))
+    print(plots.format_table(report))
     logging.info("wrote %s", write_report(workdir, report))
     return report
-
-
-def format_table(report: dict) -> str:
-    """The evaluation results as a Markdown table (speedup and conversion "-" in a report
-    written before they were measured)."""
-    ar = report.get("ar_tokens_per_s")
-    timing = (
-        f"; AR (block size 1) {ar:.1f} tokens/s, best of {report['timing_repeats']}"
-        if ar is not None else ""
-    )
-    lines = [
-        f"{report['workdir']} step {report['step']}: {report['num_examples']} examples, "
-        f"block_size {report['block_size']}, AR teacher-forced NLL "
-        f"{report['ar_nll']:.4f} nats/token{timing}",
-        "| threshold | accuracy | tokens/forward | tokens/s | speedup | conversion | mean length "
-        "| agreement with 1.0 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["results"]:
-        speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-        conversion = f"{r['conversion']:.2f}" if "conversion" in r else "-"
-        lines.append(
-            f"| {r['threshold']:.2f} | {r['accuracy']:.3f} | "
-            f"{r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | {speedup} | "
-            f"{conversion} | {r['mean_length']:.1f} | {r['agreement_with_ar']:.3f} |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ import os
 
 from absl import flags, logging
 
-from mars_jax import cli, evaluate, huggingface, workdir as wd
 from mars_jax.errors import InputError
+from mars_jax import cli, huggingface, plots, workdir as wd
 from mars_jax.tokenizer import Tokenizer
 
 
@@ -47,11 +47,11 @@ def export_run(
     FileExistsError when ``output`` already holds weights (see `huggingface.export_hf`),
     ValueError for a trimmed-vocabulary run (``data.trim_vocab``), before writing anything.
     """
-    if (vmap := wd.read_vocab_map(workdir)) is not None:
+    if (vocab_map := wd.read_vocab_map(workdir)) is not None:
         raise InputError(
-            f"{workdir} has a trimmed vocabulary ({len(vmap)} rows, vocab_map.json): a Hugging "
-            "Face checkpoint needs a row for every id, and without an output bias no weights "
-            "keep the missing rows from being chosen; export is refused"
+            f"{workdir} has a trimmed vocabulary ({len(vocab_map)} rows, vocab_map.json): a "
+            "Hugging Face checkpoint needs a row for every id, and without an output bias no "
+            "weights keep the missing rows from being chosen; export is refused"
         )
     model, tok, step = wd.load_model(workdir, step=step)
     block_size = wd.trained_block_size(workdir)
@@ -89,7 +89,7 @@ def model_card(
     mars and qwen2), then the training block size, the mask token and id of ``tok``, the
     objective (name, ``ar_weight``, normalization) and ``init_from`` of ``run_config`` (the
     run's config.json as a dict), the recommended thresholds, the table of ``eval_report`` (the
-    run's eval.json, `evaluate.format_table`) when given, and how to decode with MARS
+    run's eval.json, `plots.format_table`) when given, and how to decode with MARS
     (`mars_jax.decode`, `mars_jax.generate`) or as plain AR with transformers' ``generate``.
     Raises KeyError for a run config without the objective's keys.
     """
@@ -134,7 +134,7 @@ def model_card(
     if eval_report is not None:
         lines += [
             f"## Evaluation (step {eval_report['step']})", "",
-            evaluate.format_table(eval_report), "",
+            plots.format_table(eval_report), "",
         ]
     lines += [
         "## Decoding with MARS", "",

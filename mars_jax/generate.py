@@ -26,9 +26,10 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, config, data, decode, vocab, workdir as wd
 from mars_jax.errors import InputError
-from mars_jax.tokenizer import Tokenizer
+from mars_jax import cli, config, decode, vocab, workdir as wd
+from mars_jax.rows import read_rows
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, Tokenizer
 
 
 class TextStream:
@@ -88,7 +89,7 @@ def complete(
                           max_new_tokens=max_new_tokens, temperature=temperature,
                           cache_mode=cache_mode, rule=rule)
     model, tok, _ = wd.load_model(workdir, step=step)
-    eos_ids = vocab.model_ids(tok, decode.DEFAULT_EOS_IDS)
+    eos_ids = vocab.model_ids(tok, DEFAULT_EOS_IDS)
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
         tok.apply_chat_template(
@@ -138,7 +139,7 @@ def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
     the row for a missing or non-string prompt, or a threshold that is not a number in (0, 1]
     (a JSON true is not a number here)."""
     prompts, thresholds = [], []
-    for i, row in enumerate(data.read_rows(path), start=1):
+    for i, row in enumerate(read_rows(path), start=1):
         prompt, threshold = row.get("prompt"), row.get("threshold")
         if not isinstance(prompt, str):
             raise InputError(f"{path}: row {i}: 'prompt' must be a string, got {prompt!r}")

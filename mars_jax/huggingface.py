@@ -30,10 +30,9 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mars_jax.decode import DEFAULT_EOS_IDS
 from mars_jax.errors import AlreadyExists, InputError, NotFound
 from mars_jax.model import ModelConfig, Qwen2, abstract_model
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 _SUPPORTED_ACT = "silu"
 
@@ -132,7 +131,7 @@ def generation_config_to_hf(cfg: ModelConfig) -> dict[str, Any] | None:
     """The ``generation_config.json`` dict with which transformers' ``generate`` (and any tool
     that reads the file for its defaults) decodes as `mars_jax.decode.generate` does at
     threshold 1.0: greedy (``do_sample: false``), stopping at either of
-    `mars_jax.decode.DEFAULT_EOS_IDS` (<|im_end|> 151645, <|endoftext|> 151643), padding with
+    `mars_jax.tokenizer.DEFAULT_EOS_IDS` (<|im_end|> 151645, <|endoftext|> 151643), padding with
     <|endoftext|>. None for an embedding without those rows (no Qwen2.5 vocabulary).
     """
     if not _has_qwen_special_rows(cfg):
@@ -367,7 +366,7 @@ def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.Sta
     """Reads a HF Qwen2 directory straight into the sharded layout ``abstract``.
 
     ``abstract`` is a parameter State of ``jax.ShapeDtypeStruct`` leaves with shardings (see
-    `mars_jax.sharding.abstract_params`); the result has the same tree with global
+    `mars_jax.model.abstract_params`); the result has the same tree with global
     ``jax.Array`` leaves of those shapes, dtypes (converted from the dtype on disk, e.g.
     bfloat16) and shardings. Each process reads from the safetensors files only the parts
     that its own devices hold, each distinct part once (devices holding the same part, e.g.

@@ -35,6 +35,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from mars_jax import config, decode, vocab, workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
+from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
 # Under lm_eval's logger, which its CLI shows at INFO (it leaves other loggers alone).
 log = logging.getLogger("lm_eval.models.mars_jax")
@@ -101,7 +102,7 @@ lm_eval's results (`get_model_info`).
         self.decode_kwargs = dict(
             block_size=block_size or wd.trained_block_size(workdir), threshold=float(threshold),
             cache_mode=cache_mode, rule=rule, mask_id=self.tokenizer.mask_id,
-            eos_ids=vocab.model_ids(self.tokenizer, decode.DEFAULT_EOS_IDS),  # a trimmed run's ids
+            eos_ids=vocab.model_ids(self.tokenizer, DEFAULT_EOS_IDS),  # a trimmed run's ids
         )
         self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
         self.accepted = self.forwards = 0

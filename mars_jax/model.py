@@ -2,7 +2,7 @@
 
 One model serves every use in MARS (arXiv 2604.07023, Sec. 3): causal AR training, the
 ``[noisy | clean]`` MARS layout (explicit position ids and an explicit boolean attention mask)
-and cached decoding (a functional KV cache: arrays in, arrays out).
+and cached decoding (a functional KV cache, `mars_jax.kv_cache`: arrays in, arrays out).
 
 Architecture as in transformers' ``Qwen2ForCausalLM``: token embedding; per layer
 RMSNorm -> grouped-query attention (q/k/v with bias, o without; rotary embeddings with
@@ -15,7 +15,7 @@ scores and softmax (`mars_jax.attention`), RMSNorm and the rotary tables are fp3
 Sharding: every parameter carries the logical names of its axes as flax partitioning metadata
 (``nnx.with_partitioning``; vocab, embed, heads, kv_heads, mlp, norm), which `mars_jax.sharding`
 maps to mesh axes. `abstract_model` is the shape-only model that all loading and placement
-starts from.
+starts from; `abstract_params` gives its parameters their shardings on a mesh.
 
 Shape notation: R rows (batch), T query length, S key length (cache slots), D hidden size,
 N query heads, K kv heads, H head dim, V embedding rows.
@@ -24,23 +24,16 @@ N query heads, K kv heads, H head dim, V embedding rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
 
-import flax.core.spmd
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from mars_jax.attention import IMPLEMENTATIONS, attend
-
-KVCache = dict[str, jax.Array]  # {"k": [L, R, S, K, H], "v": [L, R, S, K, H]}, L layers
-# Logical axes of each KV cache array [L, R, S, K, H]: rows over the batch axes, KV heads over
-# the tensor axis (as their k/v projections), so a cache shards like the model that fills it.
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", None)
-
+from mars_jax.kv_cache import KVCache, write_window
+from mars_jax.sharding import Rules, check_heads, param_shardings, with_logical_constraint
 
 # Rematerialisation policies of a decoder layer's backward pass: keep every activation ("none"),
 # recompute all of them ("full"), or keep only matmul outputs ("dots").
@@ -142,71 +135,6 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, names, bias: bool, rngs: nn
     )
 
 
-# Per-row windows: row r of an array [R, N, ...] at its own offset start[r] (a KV cache
-# [R, S, K, H]; the decoder's token ids [R, S] and hidden states [R, T, D]). A vmapped
-# dynamic_update_slice or dynamic_slice is a scatter or gather, which libtpu compiles (for the
-# cache and token writes and the token-window read of decoding) to a serial while loop over the
-# rows (jax-ml/jax#21367); an explicit scatter compiles to relayout copies of the whole cache
-# instead. So on TPU, windows of at most SELECT_MAX_SLOTS positions (every decoding step: T = 1
-# for AR, 2B - 1 for MARS blocks of B <= 8) are written with T elementwise selects over all N
-# positions and read with a one-hot select-and-sum: no loop, one fused pass over the array, local
-# to each row when rows are sharded (benchmarks/decode_hlo.py). Elsewhere, and for longer windows
-# (the prefill, once per decode; T selects per element would be T times the work), the vmapped
-# dynamic slices, which work in place: on CPU the selects' extra pass over the cache makes a
-# decoding step slower.
-SELECT_MAX_SLOTS = 16
-
-
-def _write_dynamic(x, new, start):
-    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=0))(
-        x, new, start
-    )
-
-
-def _write_select(x, new, start):
-    offset = jnp.arange(x.shape[1])[None, :] - start[:, None]  # [R, N]: position - start
-    offset = offset.reshape(offset.shape + (1,) * (x.ndim - 2))
-    for i in range(new.shape[1]):
-        x = jnp.where(offset == i, new[:, i : i + 1], x)
-    return x
-
-
-def _read_dynamic(x, start, size):
-    return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size, axis=0))(x, start)
-
-
-def _read_select(x, start, size):
-    hit = jnp.arange(x.shape[1]) == (start[:, None] + jnp.arange(size))[:, :, None]  # [R, size, N]
-    hit = hit.reshape(hit.shape + (1,) * (x.ndim - 2))
-    return jnp.sum(jnp.where(hit, x[:, None], jnp.zeros((), x.dtype)), axis=2, dtype=x.dtype)
-
-
-def write_rows(x: jax.Array, new: jax.Array, start: jax.Array | None) -> jax.Array:
-    """``x`` [R, N, ...] with ``new`` [R, T, ...] written at positions ``start[r] .. start[r] +
-    T - 1`` of each row r; ``start`` int [R], each window inside the array
-    (0 <= start[r] <= N - T), or None for position 0 of every row (a static slice: no per-row
-    offsets, e.g. a prefill). Exact. On TPU, T <= `SELECT_MAX_SLOTS` is T elementwise selects
-    (see the comment above `SELECT_MAX_SLOTS`)."""
-    if start is None:
-        return x.at[:, : new.shape[1]].set(new)
-    if new.shape[1] > SELECT_MAX_SLOTS:
-        return _write_dynamic(x, new, start)
-    return jax.lax.platform_dependent(x, new, start, tpu=_write_select, default=_write_dynamic)
-
-
-def read_rows(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
-    """[R, size, ...]: positions ``start[r] .. start[r] + size - 1`` of each row r of ``x``
-    [R, N, ...]; ``start`` int [R], each window inside the array (0 <= start[r] <= N - size).
-    Exact (on TPU, but for the sign of a zero). On TPU, size <= `SELECT_MAX_SLOTS` is a one-hot
-    select-and-sum over the N positions (see the comment above `SELECT_MAX_SLOTS`)."""
-    if size > SELECT_MAX_SLOTS:
-        return _read_dynamic(x, start, size)
-    return jax.lax.platform_dependent(
-        x, start, tpu=functools.partial(_read_select, size=size),
-        default=functools.partial(_read_dynamic, size=size),
-    )
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary embeddings and an optional functional KV cache."""
 
@@ -234,8 +162,8 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = self.v_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim)
         if cache is not None:
-            k = write_rows(cache["k"], k.astype(cache["k"].dtype), cache_index)
-            v = write_rows(cache["v"], v.astype(cache["v"].dtype), cache_index)
+            k = write_window(cache["k"], k.astype(cache["k"].dtype), cache_index)
+            v = write_window(cache["v"], v.astype(cache["v"].dtype), cache_index)
             cache = {"k": k, "v": v}
         # Decoding (with a cache) masks per row and slot: always the dense path.
         out = attend(q, k, v, mask, "xla" if cache is not None else cfg.attention)
@@ -315,7 +243,8 @@ class Qwen2(nnx.Module):
           positions: int32 [R, T] rotary position ids (any values; the MARS layout repeats 0..L-1).
           mask: bool, broadcastable to [R, T, S]; True where query t may attend to key s. Without a
             cache S = T (keys are the inputs); with one, S is the number of cache slots.
-          cache: optional KV cache from `init_cache`; new keys/values are written before attending.
+          cache: optional KV cache from `mars_jax.kv_cache.init_cache`; new keys/values are
+            written before attending.
           cache_index: int32 [R], first slot written for each row; None writes every row from
             slot 0 (a prefill: no per-row offsets).
 
@@ -363,17 +292,6 @@ _REMAT_POLICIES = {
 }
 
 
-def with_logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """``x`` constrained to the sharding its logical axis ``names`` get under the active flax
-    logical-axis rules (``nnx.logical_axis_rules``) on the active mesh
-    (``jax.sharding.use_abstract_mesh``); unchanged where no mesh is active (a single device) or a
-    name has no rule. The name follows MaxText's helper of the same role."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return x
-    rules = dict(flax.core.spmd.get_logical_axis_rules())
-    return jax.lax.with_sharding_constraint(x, P(*(rules.get(n) for n in names)))
-
-
 def _stacked(layers: list[DecoderLayer]) -> DecoderLayer:
     """One `DecoderLayer` whose parameters are those of ``layers`` stacked on a new leading axis
     (logical name "layers"), so each layer keeps the values it was initialised with."""
@@ -398,13 +316,20 @@ def abstract_model(cfg: ModelConfig) -> Qwen2:
     return nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
 
 
-def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> KVCache:
-    """Zeroed KV cache {"k", "v"}, each [num_layers, batch, slots, K, H] ([L, R, S, K, H]) in the
-    compute dtype (or ``dtype``), sharded by `CACHE_AXES` where a mesh and rules are active
-    (see `with_logical_constraint`)."""
-    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    return {n: with_logical_constraint(jnp.zeros(shape, dtype), CACHE_AXES) for n in ("k", "v")}
+def abstract_params(cfg: ModelConfig, mesh: Mesh, rules: Rules):
+    """(graphdef, abstract parameter State) of the `Qwen2` of ``cfg`` placed on ``mesh``: each
+    leaf a ``jax.ShapeDtypeStruct`` with its NamedSharding under ``rules``; nothing allocated.
+
+    Raises ValueError as `mars_jax.sharding.check_heads` and
+    `mars_jax.sharding.param_shardings`.
+    """
+    check_heads(cfg.num_heads, cfg.num_kv_heads, mesh, rules)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    shardings = param_shardings(state, mesh, rules)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+    return graphdef, abstract
 
 
 def causal_mask(t: int) -> np.ndarray:

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mars_jax.config import NOISY_WEIGHTINGS, NORMALIZATIONS  # noqa: F401 - the choices
-from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import Qwen2, causal_mask
+
+IGNORE_INDEX = -100  # label of a token that is not trained on (the loss ignores it)
 
 # The batch key holding the per-row weights of "inverse_t" (float32 [R]; see `noisy_row_weights`).
 NOISY_WEIGHT = "noisy_weight"
@@ -61,7 +62,7 @@ def target_positions(labels: jax.Array, max_label_tokens: int | None):
 
     Returns (positions int32 [R, M], targets int32 [R, M], valid bool [R, M]) with
     M = ``max_label_tokens`` or L, in sequence order. The caller guarantees that no row has more
-    than M labelled tokens (`mars_jax.data` checks this when it builds examples).
+    than M labelled tokens (`mars_jax.batches.build_examples` checks this).
     """
     shifted = jnp.concatenate([labels[:, 1:], jnp.full_like(labels[:, :1], IGNORE_INDEX)], axis=1)
     valid = shifted != IGNORE_INDEX

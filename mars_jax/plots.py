@@ -1,4 +1,4 @@
-"""Plots of evaluation results (`mars_jax.evaluate` reports)."""
+"""Plots and tables of evaluation results (`mars_jax.evaluate` reports)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,30 @@ def pareto_plot(runs: dict[str, list[dict]], path: str, *, title: str = ""):
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
     return fig
+
+
+def format_table(report: dict) -> str:
+    """The evaluation results as a Markdown table (speedup and conversion "-" in a report
+    written before they were measured)."""
+    ar = report.get("ar_tokens_per_s")
+    timing = (
+        f"; AR (block size 1) {ar:.1f} tokens/s, best of {report['timing_repeats']}"
+        if ar is not None else ""
+    )
+    lines = [
+        f"{report['workdir']} step {report['step']}: {report['num_examples']} examples, "
+        f"block_size {report['block_size']}, AR teacher-forced NLL "
+        f"{report['ar_nll']:.4f} nats/token{timing}",
+        "| threshold | accuracy | tokens/forward | tokens/s | speedup | conversion | mean length "
+        "| agreement with 1.0 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        conversion = f"{r['conversion']:.2f}" if "conversion" in r else "-"
+        lines.append(
+            f"| {r['threshold']:.2f} | {r['accuracy']:.3f} | "
+            f"{r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | {speedup} | "
+            f"{conversion} | {r['mean_length']:.1f} | {r['agreement_with_ar']:.3f} |"
+        )
+    return "\n".join(lines)

@@ -6,20 +6,23 @@ Model parameters carry logical axis names in flax's own partitioning metadata
 (layers, vocab, embed, heads, kv_heads, mlp, norm for parameters; batch, length,
 activation_embed for activations) to axes of the
 ``(data, fsdp, tensor)`` mesh. The table lives in the run config (``mesh.rules``; the default is
-`DEFAULT_RULES`) and is passed to every function that places arrays.
+`DEFAULT_RULES`) and is passed to every function that places arrays: `param_shardings` for a
+parameter State, `batch_sharding` for batches, `with_logical_constraint` for activations inside
+a traced function; `shardings_of` reads the shardings of a placed tree. The model's sharded
+abstract parameters are `mars_jax.model.abstract_params`; this module knows no model.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import flax.core.spmd
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mars_jax.errors import InputError
-from mars_jax.model import ModelConfig, abstract_model
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -167,22 +170,24 @@ def _with_unnamed_replicated(state: nnx.State, rules: Rules) -> Rules:
     return tuple(rules) + tuple((n, None) for n in sorted(names - known.keys()))
 
 
-def abstract_params(cfg: ModelConfig, mesh: Mesh, rules: Rules):
-    """(graphdef, abstract parameter State) of the `Qwen2` of ``cfg`` placed on ``mesh``: each
-    leaf a ``jax.ShapeDtypeStruct`` with its NamedSharding under ``rules``; nothing allocated.
-
-    Raises ValueError as `check_heads` and `param_shardings`.
-    """
-    check_heads(cfg.num_heads, cfg.num_kv_heads, mesh, rules)
-    graphdef, state = nnx.split(abstract_model(cfg))
-    shardings = param_shardings(state, mesh, rules)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
-    return graphdef, abstract
-
-
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length] array (``ndim`` 2; 1: a [batch] array, e.g. per-row
     weights): rows split over the "batch" rule's mesh axes."""
     return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+def with_logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` constrained to the sharding its logical axis ``names`` get under the active flax
+    logical-axis rules (``nnx.logical_axis_rules``) on the active mesh
+    (``jax.sharding.use_abstract_mesh``); unchanged where no mesh is active (a single device) or a
+    name has no rule. The name follows MaxText's helper of the same role."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    rules = dict(flax.core.spmd.get_logical_axis_rules())
+    return jax.lax.with_sharding_constraint(x, P(*(rules.get(n) for n in names)))
+
+
+def shardings_of(tree):
+    """The sharding of every leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct`` that carry one),
+    same tree structure: e.g. the ``in_shardings`` of a jit over abstract arguments."""
+    return jax.tree.map(lambda x: x.sharding, tree)

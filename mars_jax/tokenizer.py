@@ -35,6 +35,8 @@ IM_START_ID = 151644  # <|im_start|>
 IM_END_ID = 151645  # <|im_end|>: EOS of a turn
 MASK_ID = 151665  # <|mask|>, as in the released MARS checkpoints
 MASK_TOKEN = "<|mask|>"
+# Tokens that end a generated completion: the end of the assistant turn, or of the text.
+DEFAULT_EOS_IDS = (IM_END_ID, ENDOFTEXT_ID)
 
 # Qwen2.5's control tokens at their fixed ids: (id, text, special). Like Qwen2.5's own
 # tokenizer_config.json, the tool-call, FIM and repo tokens are added but not "special".

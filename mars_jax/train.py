@@ -8,7 +8,7 @@ From Python: ``train.train(config, workdir)`` with a ``ConfigDict`` (e.g.
 ``configs.tiny.get_config("mars")``).
 
 A restart with the same workdir resumes from its latest committed checkpoint (parameters,
-optimizer state and data position), also after a hard kill (see `workdir.Checkpoints`); a
+optimizer state and data position), also after a hard kill (see `checkpoints.Checkpoints`); a
 checkpoint whose files fail their checksums stops the run, or with ``train.restore_fallback``
 is set aside for the previous one. ``init_from`` starts a fresh run from a Hugging Face
 directory or from the latest checkpoint of another run's workdir (stage 2 from stage 1).
@@ -38,12 +38,15 @@ from absl import logging
 from flax import nnx
 
 from mars_jax import (
-    cli, config, data, distributed, huggingface, objectives, sharding, train_step, vocab,
-    workdir as wd,
+    cli, config, distributed, huggingface, objectives, sharding, train_step, vocab, workdir as wd,
 )
-from mars_jax.errors import SettingError
+from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
+from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.metrics import MetricsWriter
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import ModelConfig, Qwen2, abstract_params
+from mars_jax.errors import SettingError
+from mars_jax.objectives import IGNORE_INDEX
+from mars_jax.rows import SYNTHETIC, load_rows, read_rows
 from mars_jax.tokenizer import load_tokenizer
 
 
@@ -79,13 +82,13 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
     ``cfg.seed``), from a HF directory (each process reading only its devices' parts, see
     `huggingface.load_hf_sharded`), or from the latest checkpoint of another run."""
     if not cfg.init_from:
-        shardings = jax.tree.map(lambda x: x.sharding, abstract)
+        shardings = sharding.shardings_of(abstract)
         init = jax.jit(
             lambda: nnx.state(Qwen2(model_cfg, rngs=nnx.Rngs(cfg.seed))), out_shardings=shardings
         )
         return init()
     if wd.is_workdir(cfg.init_from):
-        with wd.Checkpoints(cfg.init_from) as checkpoints:
+        with Checkpoints(cfg.init_from) as checkpoints:
             params, step = checkpoints.restore_params(abstract)
         logging.info("initialized from %s step %d", cfg.init_from, step)
         return params
@@ -94,18 +97,18 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
 
 
 def load_train_examples(cfg, tok):
-    """Tokenized training examples of ``cfg.data`` (see `mars_jax.data`)."""
+    """Tokenized training examples of ``cfg.data`` (see `mars_jax.batches`)."""
     d = cfg.data
-    if d.source == data.SYNTHETIC:
+    if d.source == SYNTHETIC:
         rows, fmt, name = (
-            data.load_rows(data.SYNTHETIC, num_rows=d.num_synthetic_train, seed=cfg.seed),
+            load_rows(SYNTHETIC, num_rows=d.num_synthetic_train, seed=cfg.seed),
             "gsm8k",
             "synthetic",
         )
     else:
-        rows = data.read_rows(d.train_path, max_bad_fraction=d.max_bad_fraction)
+        rows = read_rows(d.train_path, max_bad_fraction=d.max_bad_fraction)
         fmt, name = d.source, d.train_path
-    examples, _ = data.build_examples(
+    examples, _ = build_examples(
         rows,
         tok,
         fmt,
@@ -119,7 +122,7 @@ def load_train_examples(cfg, tok):
     return examples
 
 
-def vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
+def build_vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     """The id map of a trimmed run (``data.trim_vocab``): the one saved in ``workdir`` (a
     resumed run) or in ``init_from`` (a trimmed run continued), else built (`vocab.build`) from
     the Qwen ids of ``examples`` (the tokenized training data) and of the evaluation examples
@@ -128,13 +131,13 @@ def vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     for run in (workdir, cfg.init_from):
         if run and (saved := wd.read_vocab_map(run)) is not None:
             return saved
-    source, fmt, seed = data.eval_source(cfg)
-    num = cfg.eval.num_examples if source == data.SYNTHETIC else None
+    source, fmt, seed = eval_source(cfg)
+    num = cfg.eval.num_examples if source == SYNTHETIC else None
     rows = [
         {"messages": prompt + [{"role": "assistant", "content": answer}]}
-        for prompt, answer in data.eval_examples(source, num_examples=num, fmt=fmt, seed=seed)
+        for prompt, answer in eval_examples(source, num_examples=num, fmt=fmt, seed=seed)
     ]
-    evaluation, _ = data.build_examples(
+    evaluation, _ = build_examples(
         rows, tok, "messages", max_length=2**30, block_size=1, source_name=f"{source} (vocab)"
     )
     return vocab.build((e.input_ids for e in examples + evaluation), tok.mask_id, len(tok))
@@ -154,8 +157,9 @@ def train(cfg, workdir: str) -> dict:
     FileNotFoundError) naming the key, before any data is read or anything compiled.
 
     Raises ValueError for a bad config (see `sharding`, `distributed.initialize`) or a resume
-    with another config, `workdir.WorkdirInUse` (a ValueError) while another process trains in ``workdir``,
-    `workdir.CheckpointError` (a ValueError) for a corrupted checkpoint (without
+    with another config, `workdir.WorkdirInUse` (a ValueError) while another process trains in
+    ``workdir``,
+    `checkpoints.CheckpointError` (a ValueError) for a corrupted checkpoint (without
     ``train.restore_fallback``), FileNotFoundError for a missing ``init_from`` or data file,
     FloatingPointError after ``train.max_consecutive_skips`` steps in a row with
     a non-finite loss or gradient norm (`SkippedSteps`).
@@ -175,17 +179,17 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     config.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
-    vmap = vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
-    if vmap is not None:
+    vocab_map = build_vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None
+    if vocab_map is not None:
         # A stage 2 on other data than its trimmed stage 1: name the row and whose map it is.
-        source = cfg.data.train_path if cfg.data.source != data.SYNTHETIC else "synthetic data"
+        source = cfg.data.train_path if cfg.data.source != SYNTHETIC else "synthetic data"
         owner = "the"
         if cfg.init_from and os.path.exists(os.path.join(cfg.init_from, wd.VOCAB_MAP)):
             owner = "init_from's"
-        examples = vmap.map_examples(examples, f"{source} ({owner} vocab_map.json)")
-        tok = vocab.MappedTokenizer(tok, vmap)
-        model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vmap))
-        logging.info("trimmed vocabulary: %d rows", len(vmap))
+        examples = vocab_map.map_examples(examples, f"{source} ({owner} vocab_map.json)")
+        tok = vocab.MappedTokenizer(tok, vocab_map)
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab_map))
+        logging.info("trimmed vocabulary: %d rows", len(vocab_map))
     t = cfg.train
     if len(examples) < t.batch_size:
         raise SettingError(
@@ -197,11 +201,11 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
 
     obj = train_step.objective_settings(cfg, tok.mask_id, examples)
     mesh, rules = sharding.mesh_from_config(cfg.mesh)
-    graphdef, abstract = sharding.abstract_params(model_cfg, mesh, rules)
+    graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, schedule = train_step.optimizer(cfg, num_steps)
     step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
     rows = distributed.process_rows(step.batch_sharding, t.batch_size)
-    dataset = data.batched_dataset(
+    dataset = batched_dataset(
         examples,
         batch_size=t.batch_size,
         max_length=cfg.data.max_length,
@@ -221,24 +225,24 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     run_config = cfg.to_json_best_effort(indent=2)
     if distributed.is_primary():  # one training process per workdir (workdir.WorkdirInUse)
         stack.enter_context(wd.RunLock(workdir))
-    checkpoints = wd.Checkpoints(
+    checkpoints = Checkpoints(
         workdir, max_to_keep=t.max_to_keep, keep_every=t.keep_every, writer=True
     )
 
     if checkpoints.latest_step() is not None:
         wd.check_same_run(workdir, run_config)
     state, start = checkpoints.restore_latest(
-        wd.TrainState(abstract, step.abstract_opt_state, 0), fallback=t.restore_fallback
+        TrainState(abstract, step.abstract_opt_state, 0), fallback=t.restore_fallback
     )
     if start is None:
         logging.info("no checkpoint in %s: starting a fresh run", workdir)
         params = initial_params(cfg, model_cfg, abstract)
         opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
-        state = wd.TrainState(params, opt_state, data_position=0)
+        state = TrainState(params, opt_state, data_position=0)
         if distributed.is_primary():
             wd.write_run_files(workdir, run_config, model_cfg, tok)
-            if vmap is not None:
-                wd.write_vocab_map(workdir, vmap)
+            if vocab_map is not None:
+                wd.write_vocab_map(workdir, vocab_map)
         start = 0
     else:
         logging.info("resuming %s from its checkpoint of step %d", workdir, start)
@@ -311,11 +315,11 @@ def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, pree
             saved = done % t.save_every == 0 or done == num_steps
             if saved:
                 skips.check()
-                checkpoints.save(done, wd.TrainState(params, opt_state, position))
+                checkpoints.save(done, TrainState(params, opt_state, position))
             if done < num_steps and preemption.stop(done):
                 skips.check()
                 if not saved:
-                    checkpoints.save(done, wd.TrainState(params, opt_state, position))
+                    checkpoints.save(done, TrainState(params, opt_state, position))
                 checkpoints.wait_until_finished()
                 logging.info(
                     "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
@@ -395,12 +399,12 @@ class Preemption(contextlib.AbstractContextManager):
     SIGTERM is left to JAX's preemption notifier and the step is agreed through Orbax's
     ``reached_preemption`` (JAX's preemption sync service), and SIGINT keeps Python's default
     (KeyboardInterrupt, no save). Handlers are installed only from the main thread, and the
-    previous ones are restored on exit. ``checkpoints`` (the run's `workdir.Checkpoints`, set
+    previous ones are restored on exit. ``checkpoints`` (the run's `checkpoints.Checkpoints`, set
     once they exist) answers the multi-process agreement.
     """
 
     def __init__(self):
-        self.checkpoints: wd.Checkpoints | None = None
+        self.checkpoints: Checkpoints | None = None
         self._previous = {}
         self.reason: str | None = None
 
@@ -447,7 +451,7 @@ def _applied_updates(opt_state) -> int:
 def _batch_tokens(labels: jax.Array) -> jax.Array:
     """Tokens of a global batch: each row up to its last labelled token (rows end there; batch
     padding excluded), summed over all processes' rows. int32 scalar, replicated."""
-    labelled = labels != data.IGNORE_INDEX
+    labelled = labels != IGNORE_INDEX
     lengths = labels.shape[1] - jnp.argmax(labelled[:, ::-1], axis=1)
     return jnp.where(labelled.any(1), lengths, 0).sum()
 

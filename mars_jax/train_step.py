@@ -17,9 +17,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mars_jax import data, sharding
-from mars_jax.config import objective_config as objective_settings  # noqa: F401 - its name here
-from mars_jax.objectives import NOISY_WEIGHT, loss_denominator, loss_fn
+from mars_jax import sharding
+from mars_jax.config import ObjectiveConfig, objective_config
+from mars_jax.objectives import IGNORE_INDEX, NOISY_WEIGHT, loss_denominator, loss_fn
+
+
+def objective_settings(cfg, mask_id: int, examples) -> ObjectiveConfig:
+    """The static objective settings closed over by the jitted step (`config.objective_config`):
+    ``cfg.objective`` with ``mask_id``; ``max_label_tokens`` 0 becomes the most labelled tokens of
+    any of ``examples`` (a sequence of `batches.Example`), rounded up to a multiple of 8."""
+    longest = max((int((e.labels != IGNORE_INDEX).sum()) for e in examples), default=0)
+    return objective_config(cfg, mask_id, longest)
 
 
 def optimizer(cfg, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -45,7 +53,7 @@ def abstract_opt_state(tx: optax.GradientTransformation, abstract_params, mesh: 
     """``tx``'s state for ``abstract_params`` as ``jax.ShapeDtypeStruct`` leaves with shardings:
     per-parameter moments placed as their parameters, scalars (e.g. the step count) replicated.
     ``abstract_params`` carries the parameter shardings (``jax.eval_shape`` drops them)."""
-    param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    param_shardings = sharding.shardings_of(abstract_params)
     shapes = jax.eval_shape(tx.init, abstract_params)
     shardings = optax.tree_map_params(
         tx,
@@ -109,7 +117,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_
         if param_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         (grads, metrics), _ = jax.lax.scan(body, (grads, metrics), (micro, weights))
-        metrics["label_tokens"] = (batch["labels"][:, 1:] != data.IGNORE_INDEX).sum()
+        metrics["label_tokens"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         metrics["grad_norm"] = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -154,7 +162,7 @@ class TrainStep:
     @property
     def opt_state_shardings(self):
         """The optimizer state's NamedShardings (e.g. ``out_shardings`` of ``tx.init``)."""
-        return jax.tree.map(lambda x: x.sharding, self.abstract_opt_state)
+        return sharding.shardings_of(self.abstract_opt_state)
 
 
 def build_train_step(
@@ -164,15 +172,15 @@ def build_train_step(
 
     Args:
       cfg: run config (``train.batch_size``, ``train.grad_accum_steps``, ``data.max_length``).
-      graphdef, abstract_params: from `sharding.abstract_params` (leaves carry shardings).
-      obj: the `config.ObjectiveConfig` of `objective_settings` (`config.objective_config`).
+      graphdef, abstract_params: from `model.abstract_params` (leaves carry shardings).
+      obj: the `config.ObjectiveConfig` of `objective_settings`.
       tx: the optimizer of `optimizer`.
       mesh, rules: the mesh and logical-axis rules (batches go on the "batch" rule's axes).
     """
     t = cfg.train  # train.batch_size divisible by train.grad_accum_steps: config.validate
-    param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    param_shardings = sharding.shardings_of(abstract_params)
     abstract_opt = abstract_opt_state(tx, abstract_params, mesh)
-    opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_opt)
+    opt_shardings = sharding.shardings_of(abstract_opt)
     batch_sharding = sharding.batch_sharding(mesh, rules)
     row = jax.ShapeDtypeStruct((t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding)
     abstract_batch = {"input_ids": row, "labels": row}
@@ -190,7 +198,7 @@ def build_train_step(
     fn = jax.jit(
         on_mesh,
         in_shardings=(
-            param_shardings, opt_shardings, jax.tree.map(lambda x: x.sharding, abstract_batch)
+            param_shardings, opt_shardings, sharding.shardings_of(abstract_batch)
         ),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),

@@ -19,8 +19,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from mars_jax.data import IGNORE_INDEX
 from mars_jax.errors import InputError
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
 ROW_MULTIPLE = 128  # kept rows are padded with filler ids to a multiple of this
@@ -81,7 +81,7 @@ class VocabMap:
         return self.ids[m]
 
     def map_examples(self, examples, where: str = "") -> list:
-        """Training examples [`data.Example`] of Qwen ids -> the same in model ids
+        """Training examples [`batches.Example`] of Qwen ids -> the same in model ids
         (IGNORE_INDEX labels and source rows kept). Raises ValueError as `to_model`, naming
         ``where`` and the example's source row."""
         out = []

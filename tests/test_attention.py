@@ -12,9 +12,8 @@ import pytest
 from flax import nnx
 
 from mars_jax import attention
-from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
-from mars_jax.objectives import mars_attention_mask, mars_loss
+from mars_jax.objectives import IGNORE_INDEX, mars_attention_mask, mars_loss
 
 BLOCK = 4
 # 2L = 192 queries: not a multiple of the chunked path's 128; splash tiles by 128, 2L = 256.

@@ -21,23 +21,24 @@ from flax import nnx
 from mars_jax import settings, train
 from mars_jax import workdir as wd
 from conftest import python_env
+from mars_jax.checkpoints import CHECKSUMS, CheckpointError, Checkpoints, TrainState
 from train_runs import ROOT, cli_flags, flat_params, get_config
 
 
-def tiny_state(seed: int) -> wd.TrainState:
+def tiny_state(seed: int) -> TrainState:
     """A small TrainState whose arrays and data position depend on ``seed``."""
     params = nnx.state(nnx.Linear(8, 512, rngs=nnx.Rngs(seed)))
     opt_state = {"mu": jnp.full((16,), float(seed)), "count": jnp.int32(seed)}
-    return wd.TrainState(params, opt_state, data_position=10 * seed)
+    return TrainState(params, opt_state, data_position=10 * seed)
 
 
-def abstract(state: wd.TrainState) -> wd.TrainState:
+def abstract(state: TrainState) -> TrainState:
     """``state`` as shapes, dtypes and shardings (what `Checkpoints.restore` takes)."""
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-    return wd.TrainState(jax.tree.map(spec, state.params), jax.tree.map(spec, state.opt_state), 0)
+    return TrainState(jax.tree.map(spec, state.params), jax.tree.map(spec, state.opt_state), 0)
 
 
-def assert_same_state(a: wd.TrainState, b: wd.TrainState) -> None:
+def assert_same_state(a: TrainState, b: TrainState) -> None:
     leaves_a, leaves_b = jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2])
     assert len(leaves_a) == len(leaves_b) == 4
     for x, y in zip(leaves_a, leaves_b):
@@ -46,7 +47,7 @@ def assert_same_state(a: wd.TrainState, b: wd.TrainState) -> None:
 
 
 def save_steps(workdir, steps, **options) -> None:
-    with wd.Checkpoints(str(workdir), writer=True, **options) as checkpoints:
+    with Checkpoints(str(workdir), writer=True, **options) as checkpoints:
         for step in steps:
             checkpoints.save(step, tiny_state(step))
 
@@ -66,7 +67,7 @@ def test_retention_keeps_the_last_n_and_every_mth(tmp_path):
 def test_checksums_cover_every_item_file(tmp_path):
     save_steps(tmp_path, [3])
     step_dir = tmp_path / "checkpoints" / "3"
-    with open(step_dir / wd.CHECKSUMS) as f:
+    with open(step_dir / CHECKSUMS) as f:
         sums = json.load(f)
     expected = {}
     for item in ("params", "opt_state", "data"):
@@ -88,7 +89,7 @@ def test_uncommitted_step_is_ignored_and_can_be_saved_again(tmp_path):
     partial.mkdir()
     (partial / "params").mkdir()
     (partial / "params" / "manifest.ocdbt").write_bytes(b"\0" * 10)
-    with wd.Checkpoints(str(tmp_path)) as reader:  # not the writer: leaves it alone
+    with Checkpoints(str(tmp_path)) as reader:  # not the writer: leaves it alone
         assert reader.latest_step() == 2
         state, step = reader.restore_latest(abstract(tiny_state(0)))
     assert step == 2
@@ -97,7 +98,7 @@ def test_uncommitted_step_is_ignored_and_can_be_saved_again(tmp_path):
 
     save_steps(tmp_path, [5])  # the writer removes the leftover, then saves step 5
     assert not partial.exists()
-    with wd.Checkpoints(str(tmp_path)) as reader:
+    with Checkpoints(str(tmp_path)) as reader:
         state, step = reader.restore_latest(abstract(tiny_state(0)))
     assert step == 5
     assert_same_state(state, tiny_state(5))
@@ -120,14 +121,14 @@ def test_corrupted_file_names_step_and_file(tmp_path, damage):
         open(path, "wb").write(bytes(data[: len(data) - 7]))
     else:
         os.remove(path)
-    with wd.Checkpoints(str(tmp_path)) as reader:
-        with pytest.raises(wd.CheckpointError) as info:
+    with Checkpoints(str(tmp_path)) as reader:
+        with pytest.raises(CheckpointError) as info:
             reader.restore_latest(abstract(tiny_state(0)))
         assert str(info.value).startswith(f"checkpoint step 2: {path}: ")
         reason = {"flip": "corrupted", "truncate": f"{len(data) - 7} bytes, {len(data)} when",
                   "delete": "missing"}[damage]
         assert reason in str(info.value)
-        with pytest.raises(wd.CheckpointError, match="checkpoint step 2: "):
+        with pytest.raises(CheckpointError, match="checkpoint step 2: "):
             reader.restore_params(abstract(tiny_state(0)).params)
         # Step 1 is intact.
         assert_same_state(reader.restore(1, abstract(tiny_state(0))), tiny_state(1))
@@ -139,7 +140,7 @@ def test_unverifiable_step_is_refused_and_falls_back(tmp_path, damage):
     `CheckpointError`, and with the fallback the previous step."""
     save_steps(tmp_path, [1, 2])
     step_dir = tmp_path / "checkpoints" / "2"
-    manifest = step_dir / wd.CHECKSUMS
+    manifest = step_dir / CHECKSUMS
     if damage == "no manifest":
         os.remove(manifest)
     elif damage == "empty manifest":
@@ -149,12 +150,12 @@ def test_unverifiable_step_is_refused_and_falls_back(tmp_path, damage):
         os.makedirs(step_dir / "params")
     else:
         (step_dir / "params" / "stray").write_bytes(b"x")
-    with wd.Checkpoints(str(tmp_path)) as reader:
-        with pytest.raises(wd.CheckpointError, match="checkpoint step 2: "):
+    with Checkpoints(str(tmp_path)) as reader:
+        with pytest.raises(CheckpointError, match="checkpoint step 2: "):
             reader.restore_latest(abstract(tiny_state(0)))
-        with pytest.raises(wd.CheckpointError, match="checkpoint step 2: "):
+        with pytest.raises(CheckpointError, match="checkpoint step 2: "):
             reader.restore_params(abstract(tiny_state(0)).params)
-    with wd.Checkpoints(str(tmp_path), writer=True) as checkpoints:
+    with Checkpoints(str(tmp_path), writer=True) as checkpoints:
         state, step = checkpoints.restore_latest(abstract(tiny_state(0)), fallback=True)
     assert step == 1
     assert_same_state(state, tiny_state(1))
@@ -168,7 +169,7 @@ def test_fallback_restores_the_previous_step_and_resaves(tmp_path, caplog):
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with wd.Checkpoints(str(tmp_path), writer=True) as checkpoints:
+    with Checkpoints(str(tmp_path), writer=True) as checkpoints:
         state, step = checkpoints.restore_latest(abstract(tiny_state(0)), fallback=True)
         assert step == 2
         assert_same_state(state, tiny_state(2))
@@ -176,7 +177,7 @@ def test_fallback_restores_the_previous_step_and_resaves(tmp_path, caplog):
         assert committed(tmp_path) == [1, 2]
         assert os.path.isdir(tmp_path / "corrupt_checkpoints" / "3" / "params")
         checkpoints.save(3, tiny_state(7))  # the step number is free again
-    with wd.Checkpoints(str(tmp_path)) as reader:
+    with Checkpoints(str(tmp_path)) as reader:
         state, step = reader.restore_latest(abstract(tiny_state(0)))
     assert step == 3
     assert_same_state(state, tiny_state(7))
@@ -185,8 +186,8 @@ def test_fallback_restores_the_previous_step_and_resaves(tmp_path, caplog):
 def test_fallback_without_an_earlier_step_raises(tmp_path):
     save_steps(tmp_path, [4])
     os.remove(largest_file(tmp_path / "checkpoints" / "4", "opt_state"))
-    with wd.Checkpoints(str(tmp_path)) as reader:
-        with pytest.raises(wd.CheckpointError, match="checkpoint step 4: .*opt_state.*: missing"):
+    with Checkpoints(str(tmp_path)) as reader:
+        with pytest.raises(CheckpointError, match="checkpoint step 4: .*opt_state.*: missing"):
             reader.restore_latest(abstract(tiny_state(0)), fallback=True)
 
 
@@ -319,7 +320,7 @@ def test_train_stops_on_a_corrupted_checkpoint_or_falls_back(straight, tmp_path)
         f.seek(1000)
         f.write(bytes([byte[0] ^ 0x80]))
     message = f"^checkpoint step {KILL_STEPS}: {re.escape(path)}: .*corrupted"
-    with pytest.raises(wd.CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=message):
         train.train(kill_config(), workdir)
     train.train(kill_config(train__restore_fallback=True), workdir)
     assert os.path.isdir(os.path.join(workdir, "corrupt_checkpoints", str(KILL_STEPS)))

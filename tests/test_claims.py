@@ -121,7 +121,7 @@ def test_stage2_learning_rate_and_a_stage1_from_elsewhere(monkeypatch, tmp_path)
             return steps[self.workdir]
 
     monkeypatch.setattr(claims.train, "train", fake_train)
-    monkeypatch.setattr(claims.wd, "Checkpoints", FakeCheckpoints)
+    monkeypatch.setattr(claims, "Checkpoints", FakeCheckpoints)
     monkeypatch.setattr(claims.evaluate, "evaluate", lambda cfg, workdir: {"step": 0})
     done = [name for name, _ in claims.run_each(exp, str(tmp_path / "root"))]
     assert done == list(runs)

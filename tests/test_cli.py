@@ -3,12 +3,15 @@ bad input is one line `error: ...` with exit status 1, and library errors keep t
 
 import ast
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import run_python, tiny_config
-from mars_jax import cli, data, generate
+from conftest import ROOT, run_python, tiny_config
+from mars_jax import cli, generate
+from mars_jax.rows import read_rows
 
 
 def leaves(tree, prefix=""):
@@ -91,7 +94,7 @@ def test_user_errors_are_ours_and_library_errors_are_not(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "a", "threshold": "high"}\n')
     assert cli.is_user_error(raised(generate.read_prompts, str(bad)))  # our raise
-    assert cli.is_user_error(raised(data.read_rows, str(tmp_path / "missing.jsonl")))  # a path
+    assert cli.is_user_error(raised(read_rows, str(tmp_path / "missing.jsonl")))  # a path
     assert not cli.is_user_error(raised(np.zeros(3).reshape, 2))  # numpy's ValueError
     assert not cli.is_user_error(raised(generate.format_text, None))  # a TypeError: a bug
     assert not cli.is_user_error(ValueError("never raised"))
@@ -111,11 +114,11 @@ def test_a_prompts_file_threshold_is_checked_naming_its_row(tmp_path, threshold,
 
 
 def test_user_errors_keep_their_builtin_bases():
-    from mars_jax import errors, settings, workdir
+    from mars_jax import checkpoints, errors, settings, workdir
 
     for cls, base in [(errors.InputError, ValueError), (errors.SettingError, ValueError),
                       (errors.NotFound, FileNotFoundError), (errors.MissingPath, FileNotFoundError),
-                      (errors.AlreadyExists, FileExistsError), (workdir.CheckpointError, ValueError),
+                      (errors.AlreadyExists, FileExistsError), (checkpoints.CheckpointError, ValueError),
                       (workdir.WorkdirInUse, ValueError)]:
         assert issubclass(cls, errors.UserError) and issubclass(cls, base), cls
     assert settings.SettingError is errors.SettingError

@@ -160,19 +160,22 @@ def test_the_choices_are_those_of_the_modules_that_use_them():
 
 
 def test_objective_config_is_typed_and_frozen():
-    from mars_jax import data
+    from mars_jax import train_step
+    from mars_jax.batches import Example
+    from mars_jax.objectives import IGNORE_INDEX
 
     cfg = config.defaults("mars")
-    labels = [[data.IGNORE_INDEX] * 3 + [5] * 9, [data.IGNORE_INDEX] + [5] * 3]
-    examples = [data.Example(np.asarray(l), np.asarray(l), i) for i, l in enumerate(labels)]
-    obj = config.objective_config(cfg, 7, examples)
+    labels = [[IGNORE_INDEX] * 3 + [5] * 9, [IGNORE_INDEX] + [5] * 3]
+    examples = [Example(np.asarray(l), np.asarray(l), i) for i, l in enumerate(labels)]
+    obj = train_step.objective_settings(cfg, 7, examples)
     assert obj == config.ObjectiveConfig(name="mars", block_size=4, ar_weight=1.0,
                                          noisy_weighting="none", normalization="sequence",
                                          max_label_tokens=16, ce_chunk_size=0, mask_id=7)
     with pytest.raises(dataclasses.FrozenInstanceError):
         obj.block_size = 8
     cfg.objective.max_label_tokens = 24
-    assert config.objective_config(cfg, 7, []).max_label_tokens == 24
+    assert train_step.objective_settings(cfg, 7, []).max_label_tokens == 24
+    assert config.objective_config(cfg, 7, longest_labels=100).max_label_tokens == 24
     with pytest.raises(ValueError, match="objective.normalization must be one of"):
         config.ObjectiveConfig(normalization="batch")
 

@@ -1,4 +1,5 @@
-"""Tests of mars_jax.data and mars_jax.synthetic against the real Qwen2.5 tokenizer and GSM8K."""
+"""Tests of mars_jax.rows, mars_jax.chat, mars_jax.batches and mars_jax.synthetic against the real
+Qwen2.5 tokenizer and GSM8K."""
 
 import json
 import re
@@ -10,7 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mars_jax import data
+from mars_jax.batches import Example, batched_dataset, build_examples, eval_examples
+from mars_jax.chat import SkipRow, rows_to_messages, tokenize_chat
+from mars_jax.objectives import IGNORE_INDEX
+from mars_jax.rows import read_rows
 from mars_jax.synthetic import arithmetic_problems
 from mars_jax.tokenizer import CONTROL_TOKENS, ENDOFTEXT_ID, IM_END_ID, load_tokenizer
 
@@ -29,20 +33,20 @@ def tok():
 def gsm8k_train():
     if not (GSM8K / "train.jsonl").exists():
         pytest.skip(f"GSM8K data not found at {GSM8K}")
-    return data.read_rows(GSM8K / "train.jsonl")
+    return read_rows(GSM8K / "train.jsonl")
 
 
 def labelled_text(tok, labels):
-    return tok.decode(labels[labels != data.IGNORE_INDEX], skip_special_tokens=False)
+    return tok.decode(labels[labels != IGNORE_INDEX], skip_special_tokens=False)
 
 
 def chat(tok, messages, **kw):
-    return data.tokenize_chat(tok, messages, **{"max_length": 512, "block_size": BS, **kw})
+    return tokenize_chat(tok, messages, **{"max_length": 512, "block_size": BS, **kw})
 
 
 def test_gsm8k_train_set(tok, gsm8k_train):
     start = time.perf_counter()
-    examples, skips = data.build_examples(
+    examples, skips = build_examples(
         gsm8k_train, tok, "gsm8k", max_length=512, block_size=BS, source_name="gsm8k/train"
     )
     elapsed = time.perf_counter() - start
@@ -53,8 +57,8 @@ def test_gsm8k_train_set(tok, gsm8k_train):
         assert len(ids) % BS == 0 and ids[0] == IM_START_ID
     for index in (0, 1, 4321, 7472):
         row, (ids, labels, _) = gsm8k_train[index], examples[index]
-        messages = data.rows_to_messages(row, "gsm8k")
-        first = int(np.argmax(labels != data.IGNORE_INDEX))
+        messages = rows_to_messages(row, "gsm8k")
+        first = int(np.argmax(labels != IGNORE_INDEX))
         # The prompt is exactly what decoding feeds the model; the last prompt token is the "\n"
         # after <|im_start|>assistant.
         prompt = tok.apply_chat_template(messages[:-1], add_generation_prompt=True)
@@ -68,7 +72,7 @@ def test_gsm8k_train_set(tok, gsm8k_train):
         assert labelled_text(tok, labels[:n]) == row["answer"] + "<|im_end|>"
         assert ids[:n].tolist() == full[:-1] and (labels[first:n] == ids[first:n]).all()
         assert len(ids) - n < BS and (ids[n:] == IM_END_ID).all() and (labels[n:] == IM_END_ID).all()
-        assert (labels[:first] == data.IGNORE_INDEX).all()
+        assert (labels[:first] == IGNORE_INDEX).all()
 
 
 MULTI = [
@@ -102,7 +106,7 @@ def test_bos_only_when_first_token_labelled(tok, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     bare = load_tokenizer(str(tmp_path))
     ids, labels = chat(bare, [{"role": "assistant", "content": "#### 7"}])
-    assert ids[0] == ENDOFTEXT_ID and labels[0] == data.IGNORE_INDEX
+    assert ids[0] == ENDOFTEXT_ID and labels[0] == IGNORE_INDEX
     answer = bare.encode("#### 7<|im_end|>")
     assert ids[1 : 1 + len(answer)].tolist() == answer and len(ids) == BS
     assert (labels[1:] == ids[1:]).all()
@@ -112,23 +116,23 @@ def test_qwen2_release_template(tok):
     if not (SHARED_DATA / "qwen2-tokenizer" / "vocab.json").exists():
         pytest.skip("qwen2-tokenizer not found")
     qwen2 = load_tokenizer(str(SHARED_DATA / "qwen2-tokenizer"))
-    messages = data.rows_to_messages({"question": "Q?", "answer": "A.\n#### 1"}, "gsm8k")
+    messages = rows_to_messages({"question": "Q?", "answer": "A.\n#### 1"}, "gsm8k")
     ids, labels = chat(qwen2, messages)
     assert labelled_text(qwen2, labels).startswith("A.\n#### 1<|im_end|>")
-    first = int(np.argmax(labels != data.IGNORE_INDEX))
+    first = int(np.argmax(labels != IGNORE_INDEX))
     assert ids[:first].tolist() == qwen2.apply_chat_template(messages[:-1], add_generation_prompt=True)
 
 
 def test_truncation_keeps_surviving_labels(tok):
-    messages = data.rows_to_messages({"question": "Count.", "answer": " ".join(["one"] * 100)}, "gsm8k")
+    messages = rows_to_messages({"question": "Count.", "answer": " ".join(["one"] * 100)}, "gsm8k")
     ids_full, labels_full = chat(tok, messages)
-    first = int(np.argmax(labels_full != data.IGNORE_INDEX))
+    first = int(np.argmax(labels_full != IGNORE_INDEX))
     ids, labels = chat(tok, messages, max_length=first + 8, block_size=first + 8)
     assert len(ids) == first + 8
     np.testing.assert_array_equal(ids, ids_full[: first + 8])
     np.testing.assert_array_equal(labels, labels_full[: first + 8])
-    assert (labels[first:] != data.IGNORE_INDEX).sum() == 8
-    with pytest.raises(data.SkipRow, match="prompt_too_long"):
+    assert (labels[first:] != IGNORE_INDEX).sum() == 8
+    with pytest.raises(SkipRow, match="prompt_too_long"):
         chat(tok, messages, max_length=first, block_size=first)
 
 
@@ -153,7 +157,7 @@ def test_skip_reasons_counted(tok):
         {"messages": [ok, {"role": "assistant", "content": " \n\t"}]},
         {"messages": [{"role": "user", "content": "word " * 600}, {"role": "assistant", "content": "x"}]},
     ]
-    examples, skips = data.build_examples(
+    examples, skips = build_examples(
         rows, tok, "messages", max_length=128, block_size=BS, source_name="crafted"
     )
     assert len(examples) == 1
@@ -171,7 +175,7 @@ def test_skip_reasons_counted(tok):
         {"question": "q", "answer": ""},
         {"question": "q", "answer": 3},
     ]
-    _, skips = data.build_examples(gsm, tok, "gsm8k", max_length=128, block_size=BS)
+    _, skips = build_examples(gsm, tok, "gsm8k", max_length=128, block_size=BS)
     assert skips == {"missing_field": 1, "none_content": 1, "empty_answer": 1, "non_string_content": 1}
     assert "None" not in tok.decode(examples[0][0])
 
@@ -187,24 +191,24 @@ def test_special_strings_and_unrenderable_rows_are_skipped(tok):
         {"messages": [{"role": "user", "content": "<|endoftext|>"}, {"role": "assistant", "content": "x"}]},
         {"messages": [user, {"role": "assistant", "content": "fine"}]},
     ]
-    examples, skips = data.build_examples(rows, tok, "messages", max_length=128, block_size=BS)
+    examples, skips = build_examples(rows, tok, "messages", max_length=128, block_size=BS)
     assert skips == {"special_token_in_content": 3} and len(examples) == 1
     if not (SHARED_DATA / "qwen2-tokenizer" / "vocab.json").exists():
         pytest.skip("qwen2-tokenizer not found")
     qwen2 = load_tokenizer(str(SHARED_DATA / "qwen2-tokenizer"))
     rows = [{"messages": [{"role": "assistant", "content": "a"}]}, rows[-1]]
-    examples, skips = data.build_examples(rows, qwen2, "messages", max_length=128, block_size=BS)
+    examples, skips = build_examples(rows, qwen2, "messages", max_length=128, block_size=BS)
     assert skips == {"template_error": 1} and len(examples) == 1
 
 
 def test_max_label_tokens(tok):
     rows = [{"question": "q", "answer": "short"}, {"question": "q", "answer": "a much longer answer " * 20}]
-    examples, _ = data.build_examples(
+    examples, _ = build_examples(
         rows[:1], tok, "gsm8k", max_length=256, block_size=BS, max_label_tokens=BS
     )
     assert len(examples) == 1
     with pytest.raises(ValueError, match=r"mine: row 1 has \d+ labelled tokens"):
-        data.build_examples(
+        build_examples(
             rows, tok, "gsm8k", max_length=256, block_size=BS, max_label_tokens=BS, source_name="mine"
         )
 
@@ -212,19 +216,19 @@ def test_max_label_tokens(tok):
 def test_read_rows_jsonl_and_parquet(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"question": "a", "answer": "b"}\n\n{"question": "c", "answer": "d"}\n')
-    assert data.read_rows(good) == [{"question": "a", "answer": "b"}, {"question": "c", "answer": "d"}]
+    assert read_rows(good) == [{"question": "a", "answer": "b"}, {"question": "c", "answer": "d"}]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "a", "answer": "b"}\n{"question": \n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: invalid JSON"):
-        data.read_rows(bad)
+        read_rows(bad)
     bad.write_text('{"question": "a", "answer": "b"}\n\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: expected a JSON object"):
-        data.read_rows(bad)
+        read_rows(bad)
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
-    assert data.read_rows(tmp_path / "rows.parquet") == rows
+    assert read_rows(tmp_path / "rows.parquet") == rows
     with pytest.raises(ValueError, match=r"\.jsonl, \.json or \.parquet"):
-        data.read_rows(tmp_path / "rows.csv")
+        read_rows(tmp_path / "rows.csv")
 
 
 # Rows whose text has non-ASCII letters, an emoji (a surrogate pair in UTF-16), escaped and raw
@@ -260,7 +264,7 @@ SAVED_LINES[1] = SAVED_LINES[1].replace("\\u2028", "\u2028")  # a raw U+2028 ins
 def test_read_rows_as_saved_by_editors_and_windows_tools(tmp_path, text, encoding):
     path = tmp_path / "saved.jsonl"
     path.write_bytes(text.encode(encoding))
-    assert data.read_rows(path) == SAVED_ROWS
+    assert read_rows(path) == SAVED_ROWS
 
 
 def test_read_rows_bad_bytes_name_file_line_and_offset(tmp_path):
@@ -270,50 +274,50 @@ def test_read_rows_bad_bytes_name_file_line_and_offset(tmp_path):
     path.write_bytes(line1 + line2 + "é?\", \"answer\": \"1\"}\r\n".encode("cp1252"))  # Excel's "ANSI"
     offset = len(line1) + len(line2)
     with pytest.raises(ValueError) as e:
-        data.read_rows(path)
+        read_rows(path)
     message = str(e.value)
     assert message.startswith(f"{path}:2: invalid UTF-8 at byte offset {offset} (column 18)")
     assert "cp1252" in message and e.value.__cause__ is None  # no UnicodeDecodeError chained
     path.write_bytes((SAVED_LINES[2] + "\n" + SAVED_LINES[2]).encode("utf-16-le"))  # no BOM
     with pytest.raises(ValueError, match=rf"{re.escape(str(path))}:1: NUL byte at byte offset 1 .*UTF-16"):
-        data.read_rows(path)
+        read_rows(path)
     utf16 = ("\ufeff" + SAVED_LINES[2] + "\n" + SAVED_LINES[0]).encode("utf-16-le")
     path.write_bytes(utf16 + "🧮".encode("utf-16-le")[:2] + b"\n\x00")  # half an emoji
     with pytest.raises(ValueError, match=rf"bad\.jsonl:2: invalid UTF-16 LE at byte offset {len(utf16)} "):
-        data.read_rows(path)
+        read_rows(path)
 
 
 def test_read_rows_json_array_or_clear_error(tmp_path):
     pretty = json.dumps(SAVED_ROWS, ensure_ascii=False, indent=2).replace("\n", "\r\n")
     array = tmp_path / "rows.json"
     array.write_bytes(pretty.encode("utf-8-sig"))  # as a Windows tool saves a JSON export
-    assert data.read_rows(array) == SAVED_ROWS
+    assert read_rows(array) == SAVED_ROWS
     array.write_text("\n".join(SAVED_LINES))  # many ".json" datasets are JSON Lines
-    assert data.read_rows(array) == SAVED_ROWS
+    assert read_rows(array) == SAVED_ROWS
     upper = tmp_path / "ROWS.JSONL"  # Windows does not care about the extension's case
     upper.write_text("\n".join(SAVED_LINES))
-    assert data.read_rows(upper) == SAVED_ROWS
+    assert read_rows(upper) == SAVED_ROWS
     array.write_text('[\n  {"question": "a", "answer": "b"},\n  ["not", "a", "row"]\n]\n')
     with pytest.raises(ValueError, match=r"rows\.json:3: expected a JSON object, got list \(array element 1\)"):
-        data.read_rows(array)
+        read_rows(array)
     array.write_text('[\r  {"question": "a", "answer": "b"},\r  {"question": }\r]')
     with pytest.raises(ValueError, match=r"rows\.json:3: invalid JSON"):
-        data.read_rows(array)
+        read_rows(array)
     array.write_text(json.dumps({"rows": SAVED_ROWS}, indent=2))
     with pytest.raises(ValueError, match=r"rows\.json:1: invalid JSON: .*JSON array of objects, or JSON Lines"):
-        data.read_rows(array)
+        read_rows(array)
     lines = tmp_path / "rows.jsonl"
     lines.write_text(pretty)
     with pytest.raises(ValueError, match=r"rows\.jsonl:1: invalid JSON: .*one JSON array.*\.json"):
-        data.read_rows(lines)
+        read_rows(lines)
     lines.write_text(json.dumps(SAVED_ROWS))
     with pytest.raises(ValueError, match=r"rows\.jsonl:1: expected a JSON object, got list.*\.json"):
-        data.read_rows(lines)
+        read_rows(lines)
 
 
 def fake_examples(n, length=BS):
     return [
-        data.Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
+        Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
         for i in range(n)
     ]
 
@@ -323,15 +327,15 @@ def first_ids(batch):
 
 
 def test_batched_dataset_shapes_and_padding():
-    ds = data.batched_dataset(fake_examples(10), batch_size=4, max_length=3 * BS, seed=0, num_epochs=1)
+    ds = batched_dataset(fake_examples(10), batch_size=4, max_length=3 * BS, seed=0, num_epochs=1)
     assert len(ds) == 2  # the partial batch is dropped
     batch = ds[0]
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 3 * BS)
     assert batch["input_ids"].dtype == batch["labels"].dtype == np.int32
     assert (batch["input_ids"][:, BS:] == ENDOFTEXT_ID).all()
-    assert (batch["labels"][:, BS:] == data.IGNORE_INDEX).all()
+    assert (batch["labels"][:, BS:] == IGNORE_INDEX).all()
     assert (batch["input_ids"][:, :BS] == batch["input_ids"][:, :1]).all()
-    ds = data.batched_dataset(
+    ds = batched_dataset(
         fake_examples(10),
         batch_size=4,
         max_length=BS,
@@ -345,11 +349,11 @@ def test_batched_dataset_shapes_and_padding():
         [4, 5, 6, 7],
         [8, 9, ENDOFTEXT_ID, ENDOFTEXT_ID],
     ]
-    assert (ds[2]["labels"][2:] == data.IGNORE_INDEX).all()
+    assert (ds[2]["labels"][2:] == IGNORE_INDEX).all()
     with pytest.raises(ValueError, match="more than max_length"):
-        data.batched_dataset(fake_examples(4, 2 * BS), batch_size=2, max_length=BS, seed=0)
+        batched_dataset(fake_examples(4, 2 * BS), batch_size=2, max_length=BS, seed=0)
     with pytest.raises(ValueError, match="cannot fill"):
-        data.batched_dataset(fake_examples(3), batch_size=4, max_length=BS, seed=0)
+        batched_dataset(fake_examples(3), batch_size=4, max_length=BS, seed=0)
 
 
 def first_ids_of_steps(ds, steps):
@@ -358,17 +362,17 @@ def first_ids_of_steps(ds, steps):
 
 def test_batched_dataset_shuffling_epochs_and_resume():
     examples = fake_examples(12)
-    ds = data.batched_dataset(examples, batch_size=4, max_length=BS, seed=7)
+    ds = batched_dataset(examples, batch_size=4, max_length=BS, seed=7)
     epochs = [first_ids_of_steps(ds, range(3 * e, 3 * e + 3)) for e in range(3)]
     for order in epochs:
         assert sorted(order) == list(range(12))  # every example once per epoch
     assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(12))
-    again = data.batched_dataset(examples, batch_size=4, max_length=BS, seed=7)
+    again = batched_dataset(examples, batch_size=4, max_length=BS, seed=7)
     for step in (0, 5, 10_000_001):  # resuming at step s reads element s
         np.testing.assert_array_equal(again[step]["input_ids"], ds[step]["input_ids"])
-    other = data.batched_dataset(examples, batch_size=4, max_length=BS, seed=8)
+    other = batched_dataset(examples, batch_size=4, max_length=BS, seed=8)
     assert first_ids_of_steps(other, range(3)) != epochs[0]
-    finite = data.batched_dataset(examples, batch_size=4, max_length=BS, seed=7, num_epochs=2)
+    finite = batched_dataset(examples, batch_size=4, max_length=BS, seed=7, num_epochs=2)
     assert len(finite) == 6 and first_ids(finite[4]) == first_ids(ds[4])
 
 
@@ -394,15 +398,15 @@ def test_synthetic_problems_are_correct_and_deterministic(tok):
 
 
 def test_eval_examples(tok):
-    synthetic = data.eval_examples("synthetic", num_examples=5, seed=3)
+    synthetic = eval_examples("synthetic", num_examples=5, seed=3)
     assert len(synthetic) == 5
     expected = arithmetic_problems(5, seed=3)
     for (prompt, reference), p in zip(synthetic, expected):
         assert prompt == [{"role": "user", "content": p["question"]}] and reference == p["answer"]
     if not (GSM8K / "test.jsonl").exists():
         pytest.skip(f"GSM8K data not found at {GSM8K}")
-    test_rows = data.read_rows(GSM8K / "test.jsonl")
-    gsm = data.eval_examples(str(GSM8K / "test.jsonl"), num_examples=10)
+    test_rows = read_rows(GSM8K / "test.jsonl")
+    gsm = eval_examples(str(GSM8K / "test.jsonl"), num_examples=10)
     assert [p[0]["content"] for p, _ in gsm] == [r["question"] for r in test_rows[:10]]
     assert [ref for _, ref in gsm] == [r["answer"] for r in test_rows[:10]]
     assert all(ref.split("#### ")[-1].strip() for _, ref in gsm)
@@ -517,11 +521,11 @@ def tool_example(tokenizer, messages, tools=TOOLS, **kw):
     """(input_ids, labels) of the row `{"messages": messages, "tools": tools}`; SkipRow if it is
     skipped."""
     rows = [{"messages": messages, "tools": tools}]
-    examples, skips = data.build_examples(
+    examples, skips = build_examples(
         rows, tokenizer, "messages", **{"max_length": 512, "block_size": BS, **kw}
     )
     if skips:
-        raise data.SkipRow(*skips)
+        raise SkipRow(*skips)
     return examples[0][:2]
 
 
@@ -569,7 +573,7 @@ def test_tool_calls_match_transformers(tmp_path):
     assert full.count(TOOL_CALL_ID) == 3  # the system turn's instruction and the two calls
     n = len(full) - 1  # the sequence ends at the final <|im_end|>, then labelled EOS padding
     assert ids[:n].tolist() == full[:-1] and (ids[n:] == IM_END_ID).all()
-    first = int(np.argmax(labels != data.IGNORE_INDEX))
+    first = int(np.argmax(labels != IGNORE_INDEX))
     assert ids[:first].tolist() == hf_ids(messages[:2], add_generation_prompt=True)
     assert '<tool_response id="call_2" name="get_weather">' in ours.decode(ids[:n])
     assert labelled_text(ours, labels[:n]) == (
@@ -638,7 +642,7 @@ def test_tool_rows_the_template_cannot_render_are_skipped(tok, tool_tok):
         "empty_answer": [row(calling(), tools=None)],  # tool_calls=[] and no content
     }
     rows = kept + [r for rs in bad.values() for r in rs]
-    examples, skips = data.build_examples(rows, tool_tok, "messages", max_length=512, block_size=BS)
+    examples, skips = build_examples(rows, tool_tok, "messages", max_length=512, block_size=BS)
     assert skips == {reason: len(rs) for reason, rs in bad.items()} and len(examples) == len(kept)
     for (ids, labels, _), r in zip(examples[:5], kept):
         assert "<tools>" in tool_tok.decode(ids) and "<tool_call>\n{" in tool_tok.decode(ids)
@@ -647,12 +651,12 @@ def test_tool_rows_the_template_cannot_render_are_skipped(tok, tool_tok):
     # The built-in Qwen2.5 template has no tool support: it would drop the calls, so rows that
     # use tools are skipped; the Qwen2 release template also drops tool messages.
     tool_rows = kept[:5]
-    _, skips = data.build_examples(tool_rows, tok, "messages", max_length=512, block_size=BS)
+    _, skips = build_examples(tool_rows, tok, "messages", max_length=512, block_size=BS)
     assert skips == {"tools_not_rendered": 5}
     if not (SHARED_DATA / "qwen2-tokenizer" / "vocab.json").exists():
         pytest.skip("qwen2-tokenizer not found")
     qwen2 = load_tokenizer(str(SHARED_DATA / "qwen2-tokenizer"))
-    _, skips = data.build_examples(tool_rows, qwen2, "messages", max_length=512, block_size=BS)
+    _, skips = build_examples(tool_rows, qwen2, "messages", max_length=512, block_size=BS)
     assert skips == {"tools_not_rendered": 5}
 
 
@@ -660,13 +664,13 @@ def test_all_assistant_turns_never_trains_an_empty_answer(tok, tool_tok):
     """The row of the issue: a tool-call turn with empty content. Trained on every assistant turn,
     it used to be kept with the call dropped and the model taught to answer it with nothing."""
     messages = weather_chat()
-    with pytest.raises(data.SkipRow, match="tools_not_rendered"):
+    with pytest.raises(SkipRow, match="tools_not_rendered"):
         tool_example(tok, messages, all_assistant_turns=True)
     ids, labels = tool_example(tool_tok, messages, all_assistant_turns=True)
     assert labelled_text(tool_tok, labels).startswith(CALLS_TEXT + "Paris: 21 °C")
     # An empty earlier assistant turn without calls is no answer to train on either.
     empty = [MULTI[1], {"role": "assistant", "content": ""}, *MULTI[3:5]]
-    with pytest.raises(data.SkipRow, match="empty_answer"):
+    with pytest.raises(SkipRow, match="empty_answer"):
         chat(tok, empty, all_assistant_turns=True)
     assert labelled_text(tok, chat(tok, empty)[1]).startswith("5 * 4 = 20.")
 
@@ -676,6 +680,6 @@ def test_eval_examples_leave_out_tool_rows(tmp_path):
     rows = [{"messages": weather_chat(), "tools": TOOLS}, {"messages": weather_chat(final=False)}, plain]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert data.eval_examples(str(path), num_examples=3, fmt="messages") == [
+    assert eval_examples(str(path), num_examples=3, fmt="messages") == [
         (plain["messages"][:1], "4")
     ]

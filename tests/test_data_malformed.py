@@ -1,5 +1,5 @@
 """Issue 9, items 5 and 10: 10,000 generated malformed rows mixed into GSM8K, read and tokenized
-by the public path (`data.read_rows` + `data.build_examples`, the real Qwen2.5 tokenizer).
+by the public path (`rows.read_rows` + `batches.build_examples`, the real Qwen2.5 tokenizer).
 
 A seeded generator writes each line together with what must become of it: skipped by
 `read_rows` (the line holds no row), skipped by `build_examples` (the row cannot be trained on),
@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from mars_jax import data, settings, train
+from mars_jax import settings, train
+from mars_jax.batches import build_examples
+from mars_jax.objectives import IGNORE_INDEX
+from mars_jax.rows import read_rows
 from mars_jax.tokenizer import IM_END_ID, load_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -281,8 +284,8 @@ def test_malformed_rows_are_skipped_by_reason_and_kept_rows_label_their_answer(t
     rows = []
     for path, out in zip(paths, outcomes):
         num_lines, bad = expected_lines(out)
-        rows += data.read_rows(path, max_bad_fraction=len(bad) / num_lines, skips=skips)
-    examples, row_skips = data.build_examples(
+        rows += read_rows(path, max_bad_fraction=len(bad) / num_lines, skips=skips)
+    examples, row_skips = build_examples(
         rows, tok, "messages", max_length=MAX_LENGTH, block_size=BS, source_name="mixture",
         truncate=False,
     )
@@ -302,7 +305,7 @@ def test_malformed_rows_are_skipped_by_reason_and_kept_rows_label_their_answer(t
     answers = [content for kind, content in flat if kind == "kept"]
     assert len(examples) == len(answers)
     for (ids, labels, _), content in zip(examples, answers):
-        mask = labels != data.IGNORE_INDEX
+        mask = labels != IGNORE_INDEX
         np.testing.assert_array_equal(labels[mask], ids[mask])
         first = int(np.argmax(mask))
         assert mask[first:].all(), "the labels are one run up to the end"
@@ -322,12 +325,12 @@ def test_long_answers_are_cut_by_default(tok):
     rng = random.Random(5)
     contents = [long_answer(rng)[1][1] for _ in range(3)]
     rows = [{"messages": [user(), assistant(c)]} for c in contents]
-    examples, skips = data.build_examples(
+    examples, skips = build_examples(
         rows, tok, "messages", max_length=MAX_LENGTH, block_size=BS, source_name="long"
     )
     assert not skips and len(examples) == len(contents)
     for (ids, labels, _), content in zip(examples, contents):
-        mask = labels != data.IGNORE_INDEX
+        mask = labels != IGNORE_INDEX
         text = tok.decode(ids[mask], skip_special_tokens=False)
         assert len(ids) == MAX_LENGTH and text == content[: len(text)] and len(text) > 0
         assert ids[mask].tolist() == tok.encode(content)[: mask.sum()]
@@ -340,7 +343,7 @@ def test_bad_lines_stop_the_read_only_past_the_fraction(mixture, caplog):
     fraction = len(bad) / num_lines
     assert bad and bad[0] > 1
     caplog.set_level(logging.WARNING)
-    rows = data.read_rows(path, max_bad_fraction=fraction)  # at the fraction: read
+    rows = read_rows(path, max_bad_fraction=fraction)  # at the fraction: read
     assert len(rows) == num_lines - len(bad)
     first = ", ".join(str(n) for n in bad[:5])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -349,13 +352,13 @@ def test_bad_lines_stop_the_read_only_past_the_fraction(mixture, caplog):
     assert f"{path}:{bad[5]}:" not in warnings[0]
     below = math.nextafter(fraction, 0)
     with pytest.raises(ValueError) as e:
-        data.read_rows(path, max_bad_fraction=below)
+        read_rows(path, max_bad_fraction=below)
     message = str(e.value)
     assert message.startswith(f"{path}:{bad[0]}: ") and "\n" not in message
     assert f"{len(bad)} of {num_lines} non-blank lines ({fraction:.2%})" in message
     assert f"the first at lines {first}" in message and f"max_bad_fraction={below}" in message
     with pytest.raises(ValueError, match="this file must be valid throughout"):  # default 0
-        data.read_rows(path)
+        read_rows(path)
 
 
 def test_config_key_reaches_training_data(tmp_path, tok):
@@ -365,7 +368,7 @@ def test_config_key_reaches_training_data(tmp_path, tok):
     cfg = tiny_config()
     cfg.data.update(source="gsm8k", train_path=str(path), max_bad_fraction=0.25)
     examples = train.load_train_examples(cfg, tok)
-    assert [tok.decode(ids[labels != data.IGNORE_INDEX]) for ids, labels, _ in examples] == [
+    assert [tok.decode(ids[labels != IGNORE_INDEX]) for ids, labels, _ in examples] == [
         "a0", "a1", "a2"
     ]
     cfg.data.max_bad_fraction = 0.2

@@ -11,6 +11,7 @@ from flax import nnx
 
 from decode_oracles import MAX_NEW, make_batch, make_model
 from mars_jax import decode
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +20,9 @@ def mid():
 
 
 def settings(**kw) -> decode.DecoderSettings:
-    base = dict(block_size=4, max_new_tokens=MAX_NEW, eos_ids=decode.DEFAULT_EOS_IDS,
-                mask_id=decode.MASK_ID, sampling=False, cache_mode="sliding", rule="prob",
-                adaptive_window=True, mesh=None, rules=None, on_accept=None)
+    base = dict(block_size=4, max_new_tokens=MAX_NEW, eos_ids=DEFAULT_EOS_IDS,
+                mask_id=MASK_ID, sampling=False, cache_mode="sliding", rule="prob",
+                adaptive_window=True, mesh=None, axis_rules=None, on_accept=None)
     return decode.DecoderSettings(**{**base, **kw})
 
 

@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import data, distributed, sharding
+from mars_jax import distributed, sharding
 from mars_jax import workdir as wd
+from mars_jax.batches import Example, batched_dataset
+from mars_jax.objectives import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 400  # per launch; both runs took ~1 min each on a shared 2-core CPU
@@ -50,7 +52,7 @@ OVERRIDES = {
 DRIVER = r"""
 import json, sys
 from absl import logging
-from mars_jax import train, workdir as wd
+from mars_jax import checkpoints, train
 
 sys.path.insert(0, "tests")
 from conftest import tiny_config
@@ -68,7 +70,7 @@ class Interrupted(Exception):
 
 logging.set_verbosity(logging.INFO)
 if mode == "interrupt":
-    real_save = wd.Checkpoints.save
+    real_save = checkpoints.Checkpoints.save
 
     def save_then_stop(self, step, state):
         real_save(self, step, state)
@@ -76,12 +78,12 @@ if mode == "interrupt":
             self.close()
             raise Interrupted
 
-    wd.Checkpoints.save = save_then_stop
+    checkpoints.Checkpoints.save = save_then_stop
     try:
         train.train(config(), workdir)
         raise SystemExit("the run was not interrupted")
     except Interrupted:
-        wd.Checkpoints.save = real_save
+        checkpoints.Checkpoints.save = real_save
 train.train(config(), workdir)
 """
 
@@ -274,28 +276,28 @@ def test_cluster_detection_is_jax_own(monkeypatch):
 
 def fake_examples(n, length=4):
     return [
-        data.Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
+        Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
         for i in range(n)
     ]
 
 
 def test_batched_dataset_rows_are_the_process_share():
     examples = fake_examples(10)
-    full = data.batched_dataset(examples, batch_size=4, max_length=4, seed=3)
-    part = data.batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=[1, 3])
+    full = batched_dataset(examples, batch_size=4, max_length=4, seed=3)
+    part = batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=[1, 3])
     for i in range(5):  # across the epoch boundary (2 batches per epoch)
         for key in ("input_ids", "labels"):
             np.testing.assert_array_equal(part[i][key], full[i][key][[1, 3]])
     # A partial last batch: rows past its end are padding rows.
     kw = dict(batch_size=4, max_length=4, seed=3, drop_remainder=False, num_epochs=1)
-    last_full = data.batched_dataset(examples, **kw)[2]
-    last_part = data.batched_dataset(examples, **kw, rows=[1, 2, 3])[2]
+    last_full = batched_dataset(examples, **kw)[2]
+    last_part = batched_dataset(examples, **kw, rows=[1, 2, 3])[2]
     np.testing.assert_array_equal(last_part["input_ids"], last_full["input_ids"][1:])
-    assert (last_part["labels"][1:] == data.IGNORE_INDEX).all()
-    assert (last_part["labels"][0] != data.IGNORE_INDEX).all()
+    assert (last_part["labels"][1:] == IGNORE_INDEX).all()
+    assert (last_part["labels"][0] != IGNORE_INDEX).all()
     for bad in ([4], [2, 1], [0, 0]):
         with pytest.raises(ValueError, match="ascending"):
-            data.batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=bad)
+            batched_dataset(examples, batch_size=4, max_length=4, seed=3, rows=bad)
 
 
 def test_one_process_holds_every_row():

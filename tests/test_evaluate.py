@@ -1,7 +1,7 @@
-r"""Tests of mars_jax.evaluate's answer scoring: numerically equal answers score as equal,
+r"""Tests of the answer grading (mars_jax.grading): numerically equal answers score as equal,
 whatever form GSM8K references and model completions write them in ($1,000, 5.50, "is 18.",
 \boxed{...}, 25%, 1/2, ...), and different numbers never do (18 vs 180, 1.5 vs 15, European
-"1.000" vs 1,000); and its wall clock: each threshold's decode timed best of
+"1.000" vs 1,000); and of mars_jax.evaluate's wall clock: each threshold's decode timed best of
 eval.timing_repeats after an untimed warm-up, against AR decoding of the same prompts."""
 
 import collections
@@ -13,7 +13,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from mars_jax import decode, evaluate
+from mars_jax import decode, evaluate, grading, plots
 from test_eval_plot import report
 
 # (completion, reference): the same number.
@@ -73,17 +73,17 @@ DIFFERENT = [
 
 @pytest.mark.parametrize("completion,reference", EQUAL)
 def test_equal_numbers_match(completion, reference):
-    answer = evaluate.extract_answer(completion)
-    assert answer is not None and answer == evaluate.extract_answer(reference)
-    assert evaluate.answers_match(completion, reference)
-    assert evaluate.answer_value(completion) == evaluate.answer_value(reference)
+    answer = grading.extract_answer(completion)
+    assert answer is not None and answer == grading.extract_answer(reference)
+    assert grading.answers_match(completion, reference)
+    assert grading.answer_value(completion) == grading.answer_value(reference)
 
 
 @pytest.mark.parametrize("completion,reference", DIFFERENT)
 def test_different_numbers_do_not_match(completion, reference):
-    a, b = evaluate.extract_answer(completion), evaluate.extract_answer(reference)
+    a, b = grading.extract_answer(completion), grading.extract_answer(reference)
     assert a is None or b is None or a != b
-    assert not evaluate.answers_match(completion, reference)
+    assert not grading.answers_match(completion, reference)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_different_numbers_do_not_match(completion, reference):
     ],
 )
 def test_answer_value(text, value):
-    assert evaluate.answer_value(text) == value
+    assert grading.answer_value(text) == value
 
 
 @pytest.mark.parametrize(
@@ -123,17 +123,17 @@ def test_answer_value(text, value):
     ],
 )
 def test_format_number_is_canonical(value, text):
-    assert evaluate.format_number(value) == text
+    assert grading.format_number(value) == text
     assert Fraction(text) == value
 
 
 def test_accuracy_compares_numbers():
     completions = ["#### 1000.00", "The answer is $18.", "#### 180", "no idea", r"\boxed{25\%}"]
     references = ["#### 1,000", "#### 18", "#### 18", "#### 0", "#### 25"]
-    assert evaluate.accuracy(completions, references) == pytest.approx(3 / 5)
-    assert evaluate.accuracy([], []) == 0.0
+    assert grading.accuracy(completions, references) == pytest.approx(3 / 5)
+    assert grading.accuracy([], []) == 0.0
     with pytest.raises(ValueError, match="2 completions for 1 references"):
-        evaluate.accuracy(["1", "2"], ["#### 1"])
+        grading.accuracy(["1", "2"], ["#### 1"])
 
 
 @pytest.mark.parametrize("thresholds", [(0.9, 1.5), (-0.5,), (0.0,), (float("nan"),), ()])
@@ -228,7 +228,7 @@ def test_wall_clock_is_the_best_of_repeats_after_an_untimed_warm_up(trained, mon
         assert r["tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-12)
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / report["ar_tokens_per_s"])
         assert r["conversion"] == pytest.approx(r["speedup"] / r["tokens_per_forward"])
-    table = evaluate.format_table(report)
+    table = plots.format_table(report)
     assert f"{report['ar_tokens_per_s']:.1f} tokens/s, best of 2" in table
     for r in report["results"]:
         assert f"| {r['speedup']:.2f}x | {r['conversion']:.2f} |" in table
@@ -248,10 +248,10 @@ def test_ar_decoding_is_its_own_baseline(trained, monkeypatch):
     one = report["results"][0]
     assert one["threshold"] == 1.0 and one["tokens_per_forward"] == 1.0
     assert (one["seconds"], one["speedup"], one["conversion"]) == (report["ar_seconds"], 1.0, 1.0)
-    assert "| 1.00x | 1.00 |" in evaluate.format_table(report)
+    assert "| 1.00x | 1.00 |" in plots.format_table(report)
 
 
 def test_table_of_a_report_without_wall_clock_columns():
     """An eval.json written before speedup was measured (export.py tabulates old runs)."""
-    table = evaluate.format_table(report(7, [0.9], seed=0))
+    table = plots.format_table(report(7, [0.9], seed=0))
     assert "speedup | conversion" in table and "| - | - |" in table and "best of" not in table

@@ -26,7 +26,10 @@ from conftest import hf_logits, save_hf
 from decode_oracles import swap_head_columns
 from mars_jax import decode, evaluate, export, huggingface, sharding
 from mars_jax import workdir as wd
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID, MASK_TOKEN, load_tokenizer
+from mars_jax.checkpoints import Checkpoints, TrainState
+from mars_jax.tokenizer import (
+    DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID, MASK_TOKEN, load_tokenizer,
+)
 
 QWEN_VOCAB = dict(
     vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -67,7 +70,7 @@ def test_generate_on_the_export_stops_where_our_decoder_stops(qwen_vocab, tmp_pa
     out = tmp_path / "export"
     huggingface.export_hf(stopped, str(out))
     generation = json.loads((out / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == [IM_END_ID, ENDOFTEXT_ID] == list(decode.DEFAULT_EOS_IDS)
+    assert generation["eos_token_id"] == [IM_END_ID, ENDOFTEXT_ID] == list(DEFAULT_EOS_IDS)
     assert (generation["pad_token_id"], generation["do_sample"]) == (ENDOFTEXT_ID, False)
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -110,9 +113,9 @@ def run_dir(qwen_vocab, tmp_path_factory):
         "mesh": {"rules": dict(sharding.DEFAULT_RULES)},
     }
     wd.write_run_files(workdir, json.dumps(run_config), model.cfg, load_tokenizer(None))
-    with wd.Checkpoints(workdir) as checkpoints:
+    with Checkpoints(workdir) as checkpoints:
         opt_state = {"count": jnp.zeros((), jnp.int32)}
-        checkpoints.save(3, wd.TrainState(nnx.state(model, nnx.Param), opt_state, 0))
+        checkpoints.save(3, TrainState(nnx.state(model, nnx.Param), opt_state, 0))
     return workdir
 
 

@@ -24,9 +24,11 @@ from flax import nnx
 from ml_collections import config_flags
 
 from conftest import make_hf_model, run_python
-from mars_jax import data, huggingface, sharding
+from mars_jax import huggingface, sharding
 from mars_jax import tokenizer as T
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.batches import build_examples
+from mars_jax.model import ModelConfig, Qwen2, abstract_params
+from mars_jax.rows import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(
@@ -65,7 +67,7 @@ def no_unpickling(monkeypatch):
 
 def _all_loaders(path):
     """Every public way of loading the HF directory ``path``, each a thunk."""
-    abstract = sharding.abstract_params(TINY, sharding.make_mesh(), sharding.logical_rules())[1]
+    abstract = abstract_params(TINY, sharding.make_mesh(), sharding.logical_rules())[1]
     return {
         "read_hf_config": lambda: huggingface.read_hf_config(path),
         "load_hf": lambda: huggingface.load_hf(path),
@@ -227,7 +229,7 @@ def test_a_template_reaching_for_python_internals_fails_cleanly(
 @pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
 def test_a_hostile_template_file_is_named_and_stops_data_preparation(tokenizer_dir, where):
     """The error names the file the template came from, and reaches the caller of
-    `data.build_examples` (not counted as a row's template_error skip)."""
+    `batches.build_examples` (not counted as a row's template_error skip)."""
     template = HOSTILE_TEMPLATES[1][0]
     if where == "chat_template.jinja":
         (tokenizer_dir / where).write_text(template)
@@ -237,7 +239,7 @@ def test_a_hostile_template_file_is_named_and_stops_data_preparation(tokenizer_d
     tok = T.load_tokenizer(str(tokenizer_dir))
     with pytest.raises(ValueError, match=re.escape(f"{tokenizer_dir / where}: the chat template "
                                                    "was stopped by the sandbox")):
-        data.build_examples([{"messages": MESSAGES}], tok, "messages", max_length=64, block_size=4)
+        build_examples([{"messages": MESSAGES}], tok, "messages", max_length=64, block_size=4)
 
 
 def test_a_template_syntax_error_names_the_file(tokenizer_dir):
@@ -258,7 +260,7 @@ def test_a_parquet_pickled_extension_type_is_not_unpickled(tmp_path, no_unpickli
     })
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"messages": ["hello"]}, schema=pa.schema([field])), path)
-    assert data.read_rows(path) == [{"messages": "hello"}]
+    assert read_rows(path) == [{"messages": "hello"}]
     assert not marker.exists()
 
 

@@ -24,6 +24,7 @@ from conftest import python_env, run_python
 from decode_oracles import CFG, make_model, swap_head_columns
 from mars_jax import decode, huggingface, sharding, vocab
 from mars_jax import workdir as wd
+from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.lm_eval_adapter import MarsLM
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
@@ -36,9 +37,9 @@ def write_run(workdir: str, model) -> str:
     """Saves ``model`` as checkpoint step 2 of a run trained with block size 4."""
     run_config = {"objective": {"block_size": 4}, "mesh": {"rules": dict(sharding.DEFAULT_RULES)}}
     wd.write_run_files(workdir, json.dumps(run_config), model.cfg, load_tokenizer(None))
-    with wd.Checkpoints(workdir) as checkpoints:
+    with Checkpoints(workdir) as checkpoints:
         opt_state = {"count": jnp.zeros((), jnp.int32)}
-        checkpoints.save(2, wd.TrainState(nnx.state(model, nnx.Param), opt_state, 0))
+        checkpoints.save(2, TrainState(nnx.state(model, nnx.Param), opt_state, 0))
     return workdir
 
 

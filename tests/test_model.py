@@ -13,18 +13,9 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY, hf_logits, save_hf
-from mars_jax import huggingface
-from mars_jax import model as model_lib
-from mars_jax.model import (
-    SELECT_MAX_SLOTS,
-    ModelConfig,
-    RMSNorm,
-    causal_mask,
-    init_cache,
-    read_rows,
-    rope_tables,
-    write_rows,
-)
+from mars_jax import huggingface, kv_cache
+from mars_jax.kv_cache import SELECT_MAX_SLOTS, init_cache, read_window, write_window
+from mars_jax.model import ModelConfig, RMSNorm, causal_mask, rope_tables
 
 
 @nnx.jit
@@ -212,9 +203,10 @@ def with_stored_head(src, dst, head_fn, *, shards=1):
 def load_sharded_on_one_device(path):
     """`huggingface.load_hf_sharded` of ``path`` on a mesh of this process's devices."""
     from mars_jax import sharding
+    from mars_jax.model import abstract_params
 
     cfg = huggingface.read_hf_config(str(path))
-    _, abstract = sharding.abstract_params(cfg, sharding.make_mesh(), sharding.logical_rules())
+    _, abstract = abstract_params(cfg, sharding.make_mesh(), sharding.logical_rules())
     return huggingface.load_hf_sharded(str(path), cfg, abstract)
 
 
@@ -471,16 +463,16 @@ def test_chunked_cached_forward_equals_full_forward(untied_ckpt):
 
 
 
-# Per-row windows: write_rows / read_rows as called (on CPU: the vmapped dynamic slices), and their
-# TPU implementation (elementwise selects) run here on CPU.
-ROW_WRITES = {"write_rows": write_rows, "select": model_lib._write_select}
-ROW_READS = {"read_rows": read_rows, "select": model_lib._read_select}
+# Per-row windows: write_window / read_window as called (on CPU: the vmapped dynamic slices), and
+# their TPU implementation (elementwise selects) run here on CPU.
+ROW_WRITES = {"write_window": write_window, "select": kv_cache._write_select}
+ROW_READS = {"read_window": read_window, "select": kv_cache._read_select}
 
 
 @pytest.mark.parametrize("impl", ROW_WRITES)
 @pytest.mark.parametrize("t", [1, 7, SELECT_MAX_SLOTS, SELECT_MAX_SLOTS + 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
-def test_write_rows_writes_each_row_at_its_own_positions(impl, t, dtype):
+def test_write_window_writes_each_row_at_its_own_positions(impl, t, dtype):
     # Windows at either end of the array, trailing [K, H] dims; exact values, the rest untouched.
     r, n = 5, 40
     rng = np.random.default_rng(t)
@@ -501,7 +493,7 @@ def test_write_rows_writes_each_row_at_its_own_positions(impl, t, dtype):
 @pytest.mark.parametrize("impl", ROW_READS)
 @pytest.mark.parametrize("size", [1, 7, SELECT_MAX_SLOTS, SELECT_MAX_SLOTS + 3])
 @pytest.mark.parametrize("shape", [(5, 40), (5, 40, 3)])
-def test_read_rows_reads_each_row_at_its_own_positions(impl, size, shape):
+def test_read_window_reads_each_row_at_its_own_positions(impl, size, shape):
     r, n = shape[:2]
     rng = np.random.default_rng(size)
     x = rng.integers(-1000, 1000, shape).astype(np.int32)

@@ -15,9 +15,12 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from mars_jax import data, objectives, settings, train, train_step
+from mars_jax import objectives, settings, train, train_step
 from mars_jax import workdir as wd
+from mars_jax.batches import batched_dataset, build_examples
 from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.objectives import IGNORE_INDEX
+from mars_jax.rows import load_rows
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
 
@@ -64,7 +67,7 @@ def test_step_skips_a_nonfinite_update_and_keeps_the_state_bitwise(case, monkeyp
         monkeypatch.setattr(train_step, "loss_fn", {"loss": nan_loss, "grad": steep_loss}[case])
     ids = np.random.RandomState(0).randint(1, 100, (4, 8)).astype(np.int32)
     labels = ids.copy()
-    labels[:, :3] = data.IGNORE_INDEX
+    labels[:, :3] = IGNORE_INDEX
     clean = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
     bad = {"input_ids": clean["input_ids"].at[3, 5].set(BAD), "labels": clean["labels"]}
     obj = types.SimpleNamespace(name="ar", normalization="sequence", noisy_weighting="none",
@@ -129,7 +132,7 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
         """The real examples, with <|mask|> (never in an AR input) as the first token of the
         first example of each POISONED batch."""
         out = real_examples(cfg, tok)
-        batches = data.batched_dataset(out, batch_size=4, max_length=cfg.data.max_length,
+        batches = batched_dataset(out, batch_size=4, max_length=cfg.data.max_length,
                                        seed=cfg.seed)
         rows = {int(batches[p]["row_ids"][0]) for p in POISONED}
         out = [e._replace(input_ids=np.r_[MASK_ID, e.input_ids[1:]]) if e.row in rows else e
@@ -164,7 +167,7 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
             warned[int(text.split()[1])] = json.loads(text.rsplit(": ", 1)[1])
     assert sorted(warned) == [2, 4, 5]
     by_row = {e.row: e for e in examples["list"]}
-    batches = data.batched_dataset(examples["list"], batch_size=4,
+    batches = batched_dataset(examples["list"], batch_size=4,
                                    max_length=cfg.data.max_length, seed=cfg.seed)
     for step, rows in warned.items():
         ids = batches[step - 1]["input_ids"]
@@ -220,19 +223,19 @@ def test_examples_and_batches_carry_source_row_ids():
     """A skipped row leaves a gap in the row ids; batches hold each example's row, -1 for
     padding rows, and a process's part holds its rows' ids."""
     tok = load_tokenizer(None)
-    rows = data.load_rows("synthetic", num_rows=6, seed=0)
+    rows = load_rows("synthetic", num_rows=6, seed=0)
     rows[2] = {"question": "no answer"}  # skipped: missing_field
-    examples, skips = data.build_examples(rows, tok, "gsm8k", max_length=128, block_size=4)
+    examples, skips = build_examples(rows, tok, "gsm8k", max_length=128, block_size=4)
     assert skips == {"missing_field": 1}
     assert [e.row for e in examples] == [0, 1, 3, 4, 5]
     for e in examples:  # each example is its row's tokenization
-        alone, _ = data.build_examples([rows[e.row]], tok, "gsm8k", max_length=128, block_size=4)
+        alone, _ = build_examples([rows[e.row]], tok, "gsm8k", max_length=128, block_size=4)
         np.testing.assert_array_equal(alone[0].input_ids, e.input_ids)
 
     kw = dict(batch_size=4, max_length=128, seed=0, shuffle=False, num_epochs=1,
               drop_remainder=False)
-    batches = data.batched_dataset(examples, **kw)
+    batches = batched_dataset(examples, **kw)
     assert [b["row_ids"].tolist() for b in batches] == [[0, 1, 3, 4], [5, -1, -1, -1]]
     assert batches[0]["row_ids"].dtype == np.int32
-    part = data.batched_dataset(examples, **kw, rows=[1, 3])
+    part = batched_dataset(examples, **kw, rows=[1, 3])
     assert [b["row_ids"].tolist() for b in part] == [[1, 4], [-1, -1]]

@@ -20,9 +20,9 @@ from flax import nnx
 from conftest import TINY
 from mars_jax import huggingface
 from mars_jax.config import ObjectiveConfig
-from mars_jax.data import IGNORE_INDEX
 from mars_jax.model import causal_mask
 from mars_jax.objectives import (
+    IGNORE_INDEX,
     NOISY_WEIGHT,
     ar_loss,
     loss_fn,
@@ -46,7 +46,7 @@ def obj_cfg(name="mars", block_size=4, ar_weight=1.0, normalization="sequence", 
 
 
 def make_batch(seed, block, shapes, length=None):
-    """Rows like `mars_jax.data` builds them: prompt (IGNORE) + labelled answer + labelled EOS up
+    """Rows like `mars_jax.batches` builds them: prompt (IGNORE) + labelled answer + labelled EOS up
     to a multiple of ``block``; then batch padding (PAD, IGNORE) to a common length L.
 
     ``shapes``: (prompt length, answer length) per row; answer length 0 gives an unlabelled row.

@@ -21,9 +21,12 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from mars_jax import data, decode, evaluate, export, generate, objectives, train, train_step
+from mars_jax import decode, evaluate, export, generate, objectives, train, train_step
 from mars_jax import workdir as wd
+from mars_jax.batches import batched_dataset, eval_examples
+from mars_jax.checkpoints import Checkpoints
 from mars_jax.model import Qwen2, causal_mask
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
 from conftest import python_env, run_python
 from train_runs import LR, ROOT, cli_flags, flat_params, get_config
@@ -111,7 +114,7 @@ def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
     workdir: the final parameters and logged losses equal those of the straight 4-step run."""
     straight, cfg, _ = stage1
     workdir = str(tmp_path / "resumed")
-    real_save = wd.Checkpoints.save
+    real_save = Checkpoints.save
 
     def save_then_die(self, step, state):
         real_save(self, step, state)
@@ -119,7 +122,7 @@ def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
             self.close()
             raise _Interrupted
 
-    monkeypatch.setattr(wd.Checkpoints, "save", save_then_die)
+    monkeypatch.setattr(Checkpoints, "save", save_then_die)
     with pytest.raises(_Interrupted):
         train.train(get_config("ar"), workdir)
     monkeypatch.undo()
@@ -247,7 +250,7 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
     # The clean half of MARS is the AR loss: at step 1 it is the stage-1 model's AR loss on the
     # first batch, which a fresh random model would not give.
     examples = train.load_train_examples(cfg, tok)
-    batch = data.batched_dataset(
+    batch = batched_dataset(
         examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
     )[0]
     obj = types.SimpleNamespace(
@@ -274,7 +277,7 @@ def test_inverse_t_weighting_reaches_the_step(stage1, tmp_path):
         )
         losses.append(train.train(cfg, str(tmp_path / f"accum{accum}"))["loss"])
     examples = train.load_train_examples(cfg, tok)
-    batch = data.batched_dataset(
+    batch = batched_dataset(
         examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
     )[0]
     obj = train_step.objective_settings(cfg, tok.mask_id, examples)
@@ -378,7 +381,7 @@ def test_evaluate_in_process(stage1, evaluation):
 
     # Recompute threshold 1.0 and the NLL independently from the checkpoint.
     model, tok, _ = wd.load_model(workdir)
-    examples = data.eval_examples("synthetic", num_examples=4, fmt="gsm8k", seed=cfg.seed + 1)
+    examples = eval_examples("synthetic", num_examples=4, fmt="gsm8k", seed=cfg.seed + 1)
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
     ids = np.full((4, max(map(len, prompts))), tok.pad_id, np.int32)
     for i, p in enumerate(prompts):
@@ -559,7 +562,7 @@ def test_grad_accumulation_equals_whole_batch():
     model_cfg = train.model_config(cfg)
     rng = np.random.RandomState(0)
     ids = rng.randint(0, 1000, (4, 16)).astype(np.int32)
-    labels = np.full_like(ids, data.IGNORE_INDEX)
+    labels = np.full_like(ids, IGNORE_INDEX)
     for row, start in enumerate([2, 12, 5, 14]):  # 14, 4, 11 and 2 labelled tokens
         labels[row, start:] = ids[row, start:]
     batch = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}

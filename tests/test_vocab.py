@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from mars_jax import data, decode, evaluate, export, generate, objectives, settings, train
+from mars_jax import decode, evaluate, export, generate, objectives, settings, train
 from mars_jax import train_step, vocab
 from mars_jax import workdir as wd
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
+from mars_jax.batches import batched_dataset, eval_examples
+from mars_jax.tokenizer import (
+    DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer,
+)
 
 CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
 
@@ -46,24 +49,24 @@ def saved_ids(workdir):
 def test_map_round_trip_both_ways():
     rng = np.random.default_rng(0)
     kept = np.sort(rng.choice(151666, size=300, replace=False))
-    vmap = vocab.VocabMap(kept)
+    vocab_map = vocab.VocabMap(kept)
     index = {int(q): m for m, q in enumerate(kept)}  # the oracle: a dict
     qwen = rng.choice(kept, size=(3, 7))
-    model = vmap.to_model(qwen)
+    model = vocab_map.to_model(qwen)
     assert model.dtype == np.int32 and model.shape == (3, 7)
     np.testing.assert_array_equal(model, np.vectorize(index.get)(qwen))
-    np.testing.assert_array_equal(vmap.to_qwen(model), qwen)
-    every = np.arange(len(vmap))
-    np.testing.assert_array_equal(vmap.to_model(vmap.to_qwen(every)), every)
+    np.testing.assert_array_equal(vocab_map.to_qwen(model), qwen)
+    every = np.arange(len(vocab_map))
+    np.testing.assert_array_equal(vocab_map.to_model(vocab_map.to_qwen(every)), every)
 
 
 def test_missing_ids_and_bad_maps_are_refused():
-    vmap = vocab.VocabMap([3, 10, 42])
+    vocab_map = vocab.VocabMap([3, 10, 42])
     with pytest.raises(ValueError, match=r"^prompt 2: token id 11 is not in the trimmed"):
-        vmap.to_model([10, 11, 12], "prompt 2")
-    assert vmap.missing([12, 10, -5, 11, 12, 99]) == [12, -5, 11, 99]  # below, absent, above
+        vocab_map.to_model([10, 11, 12], "prompt 2")
+    assert vocab_map.missing([12, 10, -5, 11, 12, 99]) == [12, -5, 11, 99]  # below, absent, above
     with pytest.raises(IndexError, match=r"\[0, 3\)"):
-        vmap.to_qwen([0, 3])
+        vocab_map.to_qwen([0, 3])
     for bad in ([3, 3], [5, 4], [-1, 2], []):
         with pytest.raises(ValueError, match="sorted and unique"):
             vocab.VocabMap(bad)
@@ -71,18 +74,18 @@ def test_missing_ids_and_bad_maps_are_refused():
 
 def test_build_keeps_data_controls_mask_and_lowest_fillers():
     data_ids = [np.array([500, 7, 7, 151645]), np.array([[9000, 3], [3, 500]])]
-    vmap = vocab.build(data_ids, mask_id=151665, vocab_size=151666)
+    vocab_map = vocab.build(data_ids, mask_id=151665, vocab_size=151666)
     needed = {500, 7, 9000, 3} | CONTROL
     fillers = [i for i in range(151666) if i not in needed][: 128 - len(needed)]
-    assert vmap.ids.tolist() == sorted(needed | set(fillers))
-    assert len(vmap) == 128
+    assert vocab_map.ids.tolist() == sorted(needed | set(fillers))
+    assert len(vocab_map) == 128
     with pytest.raises(ValueError, match="outside"):
         vocab.build([np.array([151666])], mask_id=151665, vocab_size=151666)
 
 
 def test_save_and_load(tmp_path):
-    vmap = vocab.VocabMap([1, 5, 151665])
-    vmap.save(tmp_path / "m.json")
+    vocab_map = vocab.VocabMap([1, 5, 151665])
+    vocab_map.save(tmp_path / "m.json")
     assert vocab.VocabMap.load(tmp_path / "m.json").ids.tolist() == [1, 5, 151665]
     (tmp_path / "bad.json").write_text('{"qwen_ids": [5, 1]}')
     with pytest.raises(ValueError, match=r"bad\.json: not a vocabulary map"):
@@ -93,16 +96,16 @@ def test_mapped_tokenizer_speaks_model_ids():
     tok = load_tokenizer()
     text = "<|im_start|>user\n12 + 30 = 42<|im_end|>"
     qwen = tok.encode(text)
-    vmap = vocab.build([np.array(qwen)], tok.mask_id, len(tok))
-    mapped = vocab.MappedTokenizer(tok, vmap)
-    index = {int(q): m for m, q in enumerate(vmap.ids)}
+    vocab_map = vocab.build([np.array(qwen)], tok.mask_id, len(tok))
+    mapped = vocab.MappedTokenizer(tok, vocab_map)
+    index = {int(q): m for m, q in enumerate(vocab_map.ids)}
     assert mapped.encode(text) == [index[q] for q in qwen]
     assert mapped.encode_batch([text, "42"]) == [[index[q] for q in qwen], [index[q] for q in tok.encode("42")]]
     assert mapped.decode(mapped.encode(text), skip_special_tokens=False) == text
     assert (mapped.pad_id, mapped.eos_id, mapped.mask_id) == (
         index[ENDOFTEXT_ID], index[IM_END_ID], index[MASK_ID]
     )
-    assert len(mapped) == len(vmap)
+    assert len(mapped) == len(vocab_map)
     assert vocab.model_ids(mapped, [IM_END_ID]) == [index[IM_END_ID]]
     assert vocab.qwen_ids(mapped, [index[IM_END_ID]]) == [IM_END_ID]
     assert vocab.model_ids(tok, [IM_END_ID]) == vocab.qwen_ids(tok, [IM_END_ID]) == [IM_END_ID]
@@ -129,7 +132,7 @@ def test_trimmed_run_keeps_the_data_ids(trimmed):
     ids = saved_ids(workdir)
     train_ids = {i for e in train.load_train_examples(cfg, tok) for i in e.input_ids.tolist()}
     eval_ids = set()
-    for prompt, answer in data.eval_examples("synthetic", num_examples=3, seed=cfg.seed + 1):
+    for prompt, answer in eval_examples("synthetic", num_examples=3, seed=cfg.seed + 1):
         eval_ids |= set(tok.apply_chat_template(prompt, add_generation_prompt=True))
         eval_ids |= set(tok.encode(answer))
     needed = train_ids | eval_ids | CONTROL
@@ -160,7 +163,7 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
         )
         for e in train.load_train_examples(cfg, load_tokenizer())
     ]
-    batch = data.batched_dataset(
+    batch = batched_dataset(
         examples, batch_size=4, max_length=cfg.data.max_length, seed=cfg.seed,
         pad_id=index[ENDOFTEXT_ID],
     )[0]
@@ -174,7 +177,7 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
 
 def test_generate_returns_qwen_ids(trimmed):
     workdir, cfg = trimmed
-    prompts = [p[-1]["content"] for p, _ in data.eval_examples("synthetic", num_examples=2, seed=1)]
+    prompts = [p[-1]["content"] for p, _ in eval_examples("synthetic", num_examples=2, seed=1)]
     results = generate.complete(workdir, prompts, threshold=0.9, max_new_tokens=6)
     # Oracle: decode in model ids, mapping prompts and special ids in and tokens out by hand.
     ids = saved_ids(workdir)
@@ -201,7 +204,7 @@ def test_evaluate_a_trimmed_run(trimmed):
     workdir, cfg = trimmed
     report = evaluate.evaluate(cfg, workdir)
     assert np.isfinite(report["ar_nll"])
-    prompts = [p[-1]["content"] for p, _ in data.eval_examples("synthetic", num_examples=3, seed=1)]
+    prompts = [p[-1]["content"] for p, _ in eval_examples("synthetic", num_examples=3, seed=1)]
     texts = [r["text"] for r in generate.complete(workdir, prompts, threshold=1.0, max_new_tokens=6)]
     assert [e["completion"] for e in report["results"][0]["examples"]] == texts
 
@@ -211,7 +214,7 @@ def test_stage2_on_other_data_names_the_row_and_the_map(trimmed, tmp_path):
     is refused naming the file, the row and whose map it is (was 'training data: token id
     ...', naming neither)."""
     rows = tmp_path / "train.jsonl"
-    ((prompt, answer),) = data.eval_examples("synthetic", num_examples=1, seed=1)
+    ((prompt, answer),) = eval_examples("synthetic", num_examples=1, seed=1)
     rows.write_text("".join(
         json.dumps({"question": q, "answer": a}) + "\n"
         for q, a in ((prompt[-1]["content"], answer), ("Café?", answer))
@@ -236,7 +239,7 @@ def test_evaluate_names_the_example_with_a_token_outside_the_vocabulary(trimmed,
     """Evaluation data the run never saw (GSM8K for a synthetic run): the refusal names the
     file and the example, not only the token."""
     rows = tmp_path / "test.jsonl"
-    prompts, _ = zip(*data.eval_examples("synthetic", num_examples=1, seed=1))
+    prompts, _ = zip(*eval_examples("synthetic", num_examples=1, seed=1))
     seen = prompts[0][-1]["content"]  # a question the run's vocabulary covers
     rows.write_text("".join(
         json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in (seen, "Café?")
@@ -327,10 +330,10 @@ def test_decode_speed_benchmark_speaks_a_trimmed_runs_ids(trimmed):
     workdir, cfg = trimmed
     (s,) = ds.build_subjects(["trained"], batch_sizes=[2], workdir=workdir, config=cfg,
                              num_prompts=2, max_new_tokens=4)
-    vmap = vocab.VocabMap(saved_ids(workdir))
-    assert s.eos_ids == tuple(vmap.to_model(list(decode.DEFAULT_EOS_IDS)).tolist())
-    assert s.mask_id == int(vmap.to_model([MASK_ID])[0]) < len(vmap)
-    assert s.pad_id == int(vmap.to_model([ENDOFTEXT_ID])[0])
+    vocab_map = vocab.VocabMap(saved_ids(workdir))
+    assert s.eos_ids == tuple(vocab_map.to_model(list(DEFAULT_EOS_IDS)).tolist())
+    assert s.mask_id == int(vocab_map.to_model([MASK_ID])[0]) < len(vocab_map)
+    assert s.pad_id == int(vocab_map.to_model([ENDOFTEXT_ID])[0])
     rows = ds.benchmark([s], batch_sizes=[2], thresholds=[0.9], repeats=1)
     by = {r["decoder"]: r for r in rows}
     assert by["transformers"]["same_as_ar"] == 1.0 and by["verify"]["same_as_ar"] == 1.0

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mars_jax import model as model_lib
 from mars_jax import attention, sharding
-from mars_jax.data import IGNORE_INDEX
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import mars_loss
 
@@ -33,7 +34,7 @@ def test_splash_under_a_mesh_matches_dense(monkeypatch):
     result = {}
     for impl in ("xla", "splash"):
         c = ModelConfig(**{**cfg.__dict__, "attention": impl})
-        graphdef, abstract = sharding.abstract_params(c, mesh, rules)
+        graphdef, abstract = model_lib.abstract_params(c, mesh, rules)
         params = jax.device_put(host, jax.tree.map(lambda x: x.sharding, abstract))
         batch = jax.device_put({"input_ids": ids, "labels": labels},
                                sharding.batch_sharding(mesh, rules))

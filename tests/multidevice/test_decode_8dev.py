@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from decode_oracles import MAX_NEW, make_batch, make_model
+from mars_jax.tokenizer import DEFAULT_EOS_IDS
 from mars_jax import decode, sharding
 
 
@@ -42,7 +43,7 @@ def result():
     # The compiled sharded program carries the cache [L, R, S, K, H] per device as
     # [L, R/4, S, K/2, H]: rows over (data, fsdp), KV heads over tensor.
     settings = decode.DecoderSettings(
-        block_size=4, max_new_tokens=MAX_NEW, eos_ids=decode.DEFAULT_EOS_IDS,
+        block_size=4, max_new_tokens=MAX_NEW, eos_ids=DEFAULT_EOS_IDS,
         mask_id=decode.MASK_ID, sampling=False, cache_mode="sliding", rule="prob",
         adaptive_window=True, mesh=mesh, rules=rules, on_accept=None,
     )

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from mars_jax import model as model_lib
 from mars_jax import huggingface, sharding
 from test_model import copy_ckpt, edit_config, edit_tensors
 
@@ -102,7 +103,7 @@ def result(tied_ckpt, untied_ckpt, bf16_ckpt, tmp_path_factory):
             cfg = huggingface.read_hf_config(path, param_dtype=dtype)
             ref = jax.tree.leaves(huggingface.load_hf_state(path, cfg))
             for mesh_name, mesh in meshes.items():
-                _, abstract = sharding.abstract_params(cfg, mesh, rules)
+                _, abstract = model_lib.abstract_params(cfg, mesh, rules)
                 rec.reads.clear()
                 loaded = huggingface.load_hf_sharded(path, cfg, abstract)
                 arrays, specs = jax.tree.leaves(loaded), jax.tree.leaves(abstract)
@@ -128,7 +129,7 @@ def result(tied_ckpt, untied_ckpt, bf16_ckpt, tmp_path_factory):
                 })
         for label, path in args["errors"]:
             cfg = huggingface.read_hf_config(path)
-            _, abstract = sharding.abstract_params(cfg, meshes["2x2x2"], rules)
+            _, abstract = model_lib.abstract_params(cfg, meshes["2x2x2"], rules)
             rec.reads.clear()
             try:
                 huggingface.load_hf_sharded(path, cfg, abstract)

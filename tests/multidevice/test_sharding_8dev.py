@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mars_jax import model as model_lib
 from mars_jax import sharding
-from mars_jax import workdir as wd
-from mars_jax.data import IGNORE_INDEX
+from mars_jax.checkpoints import Checkpoints, TrainState
+from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import loss_fn
 from mars_jax.train_step import build_train_step, optimizer
@@ -52,7 +53,7 @@ def compute():
     # --- placement ----------------------------------------------------------------------------
     mesh8 = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     out["mesh8"] = dict(mesh8.shape)
-    graphdef, abstract = sharding.abstract_params(cfg, mesh8, rules)
+    graphdef, abstract = model_lib.abstract_params(cfg, mesh8, rules)
     out["specs"] = {
         jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): [
             list(a) if isinstance(a, tuple) else a for a in x.sharding.spec
@@ -76,7 +77,7 @@ def compute():
     # Rules from a config table: replicate "embed", put "mlp" on (fsdp, tensor).
     custom = sharding.logical_rules(
         {**sharding.DEFAULT_RULES, "embed": (), "mlp": ("fsdp", "tensor")})
-    _, abstract_custom = sharding.abstract_params(cfg, mesh8, custom)
+    _, abstract_custom = model_lib.abstract_params(cfg, mesh8, custom)
     out["custom_up_spec"] = [
         list(a) if isinstance(a, tuple) else a
         for a in abstract_custom["layers"]["mlp"]["up_proj"]["kernel"].sharding.spec
@@ -102,7 +103,7 @@ def compute():
     host_params = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
 
     def train(mesh, steps=3):
-        graphdef, abstract = sharding.abstract_params(cfg, mesh, rules)
+        graphdef, abstract = model_lib.abstract_params(cfg, mesh, rules)
         shardings = jax.tree.map(lambda x: x.sharding, abstract)
         params = jax.device_put(host_params, shardings)
         init = jax.tree.map(np.asarray, params)
@@ -118,7 +119,7 @@ def compute():
         return init, params, losses, opt_state
 
     def grads(mesh):
-        graphdef, abstract = sharding.abstract_params(cfg, mesh, rules)
+        graphdef, abstract = model_lib.abstract_params(cfg, mesh, rules)
         params = jax.device_put(host_params, jax.tree.map(lambda x: x.sharding, abstract))
         b = jax.device_put(batch, sharding.batch_sharding(mesh, rules))
         g = jax.jit(jax.grad(lambda p, b: loss_fn(nnx.merge(graphdef, p), b, obj)[0]))(params, b)
@@ -154,12 +155,12 @@ def compute():
     # --- a checkpoint saved on one mesh shape continues on another ------------------------------
     def continue_from(directory, mesh, steps=2):
         # Restores step 1 of `directory` onto `mesh` and trains `steps` more steps.
-        graphdef, abstract = sharding.abstract_params(cfg, mesh, rules)
+        graphdef, abstract = model_lib.abstract_params(cfg, mesh, rules)
         tx, _ = optimizer(run_cfg, 10)
         step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh, rules)
-        with wd.Checkpoints(directory) as checkpoints:
+        with Checkpoints(directory) as checkpoints:
             params, opt_state, position = checkpoints.restore(
-                1, wd.TrainState(abstract, step.abstract_opt_state, 0))
+                1, TrainState(abstract, step.abstract_opt_state, 0))
         shard = params["layers"]["mlp"]["up_proj"]["kernel"][...].addressable_shards[0].data.shape
         losses = []
         for _ in range(steps):
@@ -169,15 +170,15 @@ def compute():
         return losses, position, list(shard)
 
     with tempfile.TemporaryDirectory() as directory:
-        graphdef, abstract = sharding.abstract_params(cfg, mesh8, rules)
+        graphdef, abstract = model_lib.abstract_params(cfg, mesh8, rules)
         tx, _ = optimizer(run_cfg, 10)
         step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh8, rules)
         params = jax.device_put(host_params, jax.tree.map(lambda x: x.sharding, abstract))
         opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
         params, opt_state, _ = step.fn(params, opt_state,
                                        jax.device_put(batch, step.batch_sharding))
-        with wd.Checkpoints(directory) as checkpoints:
-            checkpoints.save(1, wd.TrainState(params, opt_state, 1))
+        with Checkpoints(directory) as checkpoints:
+            checkpoints.save(1, TrainState(params, opt_state, 1))
         out["resharded_same"] = continue_from(directory, mesh8)
         out["resharded_other"] = continue_from(directory,
                                                sharding.make_mesh(data=1, fsdp=8, tensor=1))
@@ -207,10 +208,10 @@ def compute():
     heads_cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 56, "num_heads": 14,
                                "num_kv_heads": 2, "head_dim": 4})
     mesh_214 = sharding.make_mesh(data=2, fsdp=1, tensor=4)
-    out["heads_error"] = error(lambda: sharding.abstract_params(heads_cfg, mesh_214, rules))
+    out["heads_error"] = error(lambda: model_lib.abstract_params(heads_cfg, mesh_214, rules))
     out["rules_error"] = error(lambda: sharding.logical_rules({"embed": ("model",)}))
     twice = sharding.logical_rules({**sharding.DEFAULT_RULES, "embed": ("fsdp", "tensor")})
-    out["twice_error"] = error(lambda: sharding.abstract_params(cfg, mesh8, twice))
+    out["twice_error"] = error(lambda: model_lib.abstract_params(cfg, mesh8, twice))
     ok_state = nnx.state(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
     out["divisible_ok"] = error(lambda: sharding.param_shardings(ok_state, mesh_142, rules))
     return json.loads(json.dumps(out))  # as the tests read it: tuples as lists

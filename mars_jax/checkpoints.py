@@ -1,0 +1,305 @@
+"""A run's Orbax checkpoints, ``workdir/checkpoints/<step>/{params, opt_state, data}``: atomic
+and asynchronous saves of a `TrainState`, retention, and SHA-256 checksums of every file
+(``sha256.json``) checked on every restore (`CheckpointError`). Parameters are stored as nested
+dicts of arrays (``nnx.to_pure_dict``, readable without this package).
+
+`Checkpoints` is the only code that names the Orbax items.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from mars_jax.errors import InputError, NotFound
+
+# The Orbax items of a checkpoint step.
+_PARAMS, _OPT_STATE, _DATA = "params", "opt_state", "data"
+# The checksum manifest in each step directory: {relative path: [sha256 hex, size in bytes]}.
+CHECKSUMS = "sha256.json"
+
+
+class TrainState(NamedTuple):
+    """What a checkpoint step holds.
+
+    params: parameter State (leaves as in ``model.abstract_params``).
+    opt_state: the optax state of ``train_step.optimizer``.
+    data_position: int, index of the next training batch (``batches.batched_dataset`` element).
+    """
+
+    params: nnx.State
+    opt_state: Any
+    data_position: int
+
+
+class CheckpointError(InputError):
+    """A committed checkpoint step whose files do not match the checksums written when it was
+    saved (a file truncated, overwritten or missing): ``checkpoint step S: DIR/FILE: reason``."""
+
+    def __init__(self, step: int, path: str, reason: str):
+        super().__init__(f"checkpoint step {step}: {path}: {reason}")
+        self.step, self.path = step, path
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_problem(path: str, digest: str, size: int) -> str | None:
+    """What is wrong with file ``path`` given its SHA-256 hex ``digest`` and ``size`` in bytes
+    when saved, or None."""
+    if not os.path.exists(path):
+        return "missing"
+    if os.path.getsize(path) != size:
+        return f"{os.path.getsize(path)} bytes, {size} when saved (truncated?)"
+    if _sha256(path) != digest:
+        return "SHA-256 differs from the one written at save (corrupted)"
+    return None
+
+
+def write_checksums(step_dir: str) -> None:
+    """Writes ``step_dir/sha256.json``: {path relative to ``step_dir``: [SHA-256 hex, bytes]} for
+    every file of the Orbax items (subdirectories) of the step. Orbax's own ``commit_success.txt``
+    markers are left out: it writes the step's last one while committing, after this runs.
+    Written to a temporary name, then renamed."""
+    sums = {}
+    for item in sorted(os.listdir(step_dir)):
+        for root, _, files in os.walk(os.path.join(step_dir, item)):
+            for name in files:
+                if name != "commit_success.txt":
+                    path = os.path.join(root, name)
+                    sums[os.path.relpath(path, step_dir)] = [_sha256(path), os.path.getsize(path)]
+    tmp = os.path.join(step_dir, CHECKSUMS + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(sums, f, indent=0, sort_keys=True)
+    os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+
+
+class Checkpoints:
+    """The Orbax checkpoints of a run, ``workdir/checkpoints/<step>``; usable as a context
+    manager (closing waits for asynchronous saves).
+
+    Each step holds the items of a `TrainState`. Saves are asynchronous and atomic: Orbax writes
+    ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` once every item is
+    written; a step directory that was never renamed (a killed save) is not a step (never
+    restored; the same step can be saved again). Before the rename, process 0 adds
+    ``sha256.json`` (`write_checksums`), and every restore checks the files of the items it
+    reads against it (`CheckpointError`). In a multi-process run every process creates its
+    `Checkpoints` on the same (shared) directory and calls each save and restore: Orbax writes
+    each process's shards of the arrays, and process 0 the metadata and checksums.
+
+    Retention: the newest ``max_to_keep`` steps (None: all) and every step divisible by
+    ``keep_every`` (0: none) are kept; Orbax deletes the others after each save. ``writer``:
+    this is the run that saves here, which also deletes the temporary directories of saves
+    that never completed when it starts (never set it for a reader of a live run).
+    """
+
+    def __init__(
+        self, workdir: str, *, max_to_keep: int | None = None, keep_every: int = 0,
+        writer: bool = False,
+    ):
+        self.workdir = workdir
+        policies = [ocp.checkpoint_managers.LatestN(max_to_keep)]
+        if keep_every:
+            policies.append(ocp.checkpoint_managers.EveryNSteps(keep_every))
+        self._saving: int | None = None
+        self._manager = ocp.CheckpointManager(
+            os.path.join(os.path.abspath(workdir), "checkpoints"),
+            options=ocp.CheckpointManagerOptions(
+                create=True,
+                preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+                cleanup_tmp_directories=writer,
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_save),
+            ),
+        )
+
+    def _checksum_save(self) -> None:
+        """Orbax's post-finalization callback of the save of step ``self._saving`` (every
+        process, in Orbax's save thread): process 0 writes the checksums into the step's
+        directory, the temporary one where Orbax has not yet renamed it (Orbax 0.12 calls this
+        just before the rename, so the checksums are committed with the step)."""
+        if jax.process_index() != 0:
+            return
+        base = str(self._manager.directory)
+        pending = glob.glob(os.path.join(base, f"{self._saving}.orbax-checkpoint-tmp*"))
+        write_checksums(max(pending, key=os.path.getmtime) if pending
+                        else os.path.join(base, str(self._saving)))
+
+    def verify(self, step: int, items: tuple[str, ...] = (_PARAMS, _OPT_STATE, _DATA)) -> None:
+        """Checks the files of ``items`` of committed ``step`` against its ``sha256.json``: the
+        manifest exists and lists every file of each item (no more, no fewer), and each file has
+        its size and SHA-256. Raises `CheckpointError` naming the step and the first bad file
+        (missing, truncated, changed, or not in the manifest) or the manifest (missing,
+        unreadable, without an item). Each process hashes its share of the files; all raise
+        together."""
+        step_dir = os.path.join(str(self._manager.directory), str(step))
+        manifest = os.path.join(step_dir, CHECKSUMS)
+        try:
+            with open(manifest) as f:
+                sums = json.load(f)
+        except FileNotFoundError as e:
+            raise CheckpointError(
+                step, manifest, "missing: the step cannot be verified (a damaged step, or one "
+                "saved by a mars-jax without checksums)"
+            ) from e
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(step, manifest, f"unreadable checksums ({e})") from e
+        if not isinstance(sums, dict):
+            raise CheckpointError(step, manifest, "not a JSON object of checksums")
+        names = sorted(n for n in sums if n.split(os.sep)[0] in items)
+        for item in items:
+            if not any(n.split(os.sep)[0] == item for n in names):
+                raise CheckpointError(step, manifest, f"lists no file of item {item!r}")
+        for item in items:
+            for root, _, files in os.walk(os.path.join(step_dir, item)):
+                for name in sorted(files):
+                    rel = os.path.relpath(os.path.join(root, name), step_dir)
+                    if name != "commit_success.txt" and rel not in sums:
+                        raise CheckpointError(step, os.path.join(step_dir, rel),
+                                              f"not in {CHECKSUMS}")
+        first, reason = len(names), "failed its check on another process"
+        for i in range(jax.process_index(), len(names), jax.process_count()):
+            reason = _file_problem(os.path.join(step_dir, names[i]), *sums[names[i]])
+            if reason:
+                first = i
+                break
+        if jax.process_count() > 1:  # the first bad file of any process, on every process
+            mine, first = first, int(np.min(multihost_utils.process_allgather(np.int32(first))))
+            reason = reason if first == mine else "failed its check on another process"
+        if first < len(names):
+            raise CheckpointError(step, os.path.join(step_dir, names[first]), reason)
+
+    def restore_latest(self, abstract: TrainState, *, fallback: bool = False):
+        """The newest committed step restored as in `restore`: returns (TrainState, step), or
+        (None, None) without checkpoints.
+
+        A step that fails `verify` raises its `CheckpointError`, unless ``fallback``: then it
+        is logged as a warning, moved to ``workdir/corrupt_checkpoints/<step>`` (so that the
+        step can be saved again) and the previous committed step is tried. The error of the
+        oldest step is raised in any case.
+        """
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        for i, step in enumerate(steps):
+            try:
+                return self.restore(step, abstract), step
+            except CheckpointError as e:
+                if not fallback or i + 1 == len(steps):
+                    raise
+                logging.warning("%s; moving it aside and restoring step %d", e, steps[i + 1])
+                self._set_aside(step)
+        return None, None
+
+    def _set_aside(self, step: int) -> None:
+        """Moves step directory ``step`` to ``workdir/corrupt_checkpoints/<step>`` (process 0;
+        every process waits for it) and rereads the steps."""
+        if jax.process_index() == 0:
+            target = os.path.join(self.workdir, "corrupt_checkpoints", str(step))
+            if os.path.exists(target):  # set aside before: keep both
+                target += f".{time.time_ns()}"
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.move(os.path.join(str(self._manager.directory), str(step)), target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"mars_jax checkpoint {step} set aside")
+        self._manager.reload()
+
+    def latest_step(self) -> int | None:
+        """The newest saved step, or None."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Starts writing ``state`` as checkpoint ``step`` (returns before the write ends)."""
+        self._manager.wait_until_finished()  # `_checksum_save` reads self._saving
+        self._saving = step
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    _PARAMS: ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
+                    _OPT_STATE: ocp.args.StandardSave(state.opt_state),
+                    _DATA: ocp.args.JsonSave({"next_batch": int(state.data_position)}),
+                }
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int, abstract: TrainState) -> TrainState:
+        """Checkpoint ``step`` restored into the structure and shardings of ``abstract`` (its
+        params and opt_state are trees of ``jax.ShapeDtypeStruct``; its data_position is
+        ignored). Raises `CheckpointError` if its files fail `verify`."""
+        self.verify(step)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    _PARAMS: ocp.args.StandardRestore(nnx.to_pure_dict(abstract.params)),
+                    _OPT_STATE: ocp.args.StandardRestore(abstract.opt_state),
+                    _DATA: ocp.args.JsonRestore(),
+                }
+            ),
+        )
+        return TrainState(
+            _fill(abstract.params, restored[_PARAMS]),
+            restored[_OPT_STATE],
+            int(restored[_DATA]["next_batch"]),
+        )
+
+    def restore_params(self, abstract: nnx.State, step: int | None = None):
+        """The parameters of checkpoint ``step`` (default: the latest) in ``abstract``'s
+        structure and shardings. Returns (State, step). Raises FileNotFoundError without
+        checkpoints or for a ``step`` that was not saved (naming the saved ones),
+        `CheckpointError` if the parameter files fail `verify`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise NotFound(f"no checkpoint in {self._manager.directory}")
+        if step not in (saved := list(self._manager.all_steps())):
+            raise NotFound(
+                f"no checkpoint step {step} in {self._manager.directory} (saved steps: "
+                f"{', '.join(map(str, sorted(saved)))})"
+            )
+        self.verify(step, (_PARAMS,))
+        target = nnx.to_pure_dict(abstract)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(target)})
+        )
+        return _fill(abstract, restored[_PARAMS]), step
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether every process of a multi-process run has agreed to stop after ``step``
+        because one of them got SIGTERM (Orbax's check of JAX's preemption sync service, which
+        `jax.distributed.initialize` starts; all processes reach the same answer at the same
+        step). Always False in a single-process run."""
+        return self._manager.reached_preemption(step)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager."""
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fill(abstract: nnx.State, pure: dict) -> nnx.State:
+    """A copy of ``abstract`` with the arrays of the pure dict ``pure``."""
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
