@@ -74,10 +74,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
+from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
-from mars_jax import cli, decode, kv_cache, model as model_lib, sharding  # noqa: E402
+from mars_jax import cli, decode, kv_cache, sharding  # noqa: E402
 from mars_jax import config as config_lib  # noqa: E402
+from mars_jax import model as model_lib
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
@@ -137,7 +139,10 @@ def write_onehot_einsum(x, new, start):
     t = new.shape[1]
     onehot = (off[:, :, None] == jnp.arange(t)).astype(new.dtype)
     spread = jnp.einsum(
-        "rnt,rt...->rn...", onehot, new, precision=jax.lax.Precision.HIGHEST,
+        "rnt,rt...->rn...",
+        onehot,
+        new,
+        precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=new.dtype,
     )
     inside = ((off >= 0) & (off < t)).reshape(off.shape + (1,) * (x.ndim - 2))
@@ -191,8 +196,10 @@ def read_onehot(x, start, size):
 def read_unrolled_ds(x, start, size):
     """R dynamic_slices, one per row, stacked."""
     return jnp.concatenate(
-        [jax.lax.dynamic_slice_in_dim(x[r : r + 1], start[r], size, axis=1)
-         for r in range(x.shape[0])]
+        [
+            jax.lax.dynamic_slice_in_dim(x[r : r + 1], start[r], size, axis=1)
+            for r in range(x.shape[0])
+        ]
     )
 
 
@@ -282,18 +289,23 @@ def while_loops(text: str, rows: int) -> list[dict]:
                 continue
             cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
             body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-            bounds = sorted({
-                int(v) for cl in comps.get(cond, [])
-                for v in re.findall(r"s32\[\]\S* constant\((-?\d+)\)", cl)
-            })
+            bounds = sorted(
+                {
+                    int(v)
+                    for cl in comps.get(cond, [])
+                    for v in re.findall(r"s32\[\]\S* constant\((-?\d+)\)", cl)
+                }
+            )
             op_name = re.search(r'op_name="([^"]*)"', line)
             source = op_name.group(1).rsplit("/", 1)[-1] if op_name else "?"
-            loops.append({
-                "bound": bounds[0] if len(bounds) == 1 else bounds,
-                "source": source,
-                "body_ops": sorted(reachable_ops(body)),
-                "row_loop": source in ("scatter", "gather") or rows in bounds,
-            })
+            loops.append(
+                {
+                    "bound": bounds[0] if len(bounds) == 1 else bounds,
+                    "source": source,
+                    "body_ops": sorted(reachable_ops(body)),
+                    "row_loop": source in ("scatter", "gather") or rows in bounds,
+                }
+            )
     return loops
 
 
@@ -315,8 +327,9 @@ def hlo_summary(compiled, rows_per_device: int) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     mem = compiled.memory_analysis()
-    counts = {op: 0 for op in _SLICING + ("all-gather", "all-reduce", "all-to-all",
-                                          "collective-permute")}
+    counts = {
+        op: 0 for op in _SLICING + ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+    }
     for lines in _computations(text).values():
         for line in lines:
             op = _opcode(line)
@@ -402,10 +415,16 @@ def compile_writes(cfg, devices, *, rows, slots, windows, writes, emit) -> list[
             fwd = jax.jit(functools.partial(decode_forward, graphdef), donate_argnums=(2,))
             with model_write(name):
                 compiled = fwd.lower(params, ids, cache, start).compile()
-            row = {"kind": "forward", "scheme": name, "window": window, "rows": rows,
-                   "slots": slots, "devices": len(devices),
-                   **hlo_summary(compiled, rows // len(devices)),
-                   "compile_s": round(time.perf_counter() - t0, 1)}
+            row = {
+                "kind": "forward",
+                "scheme": name,
+                "window": window,
+                "rows": rows,
+                "slots": slots,
+                "devices": len(devices),
+                **hlo_summary(compiled, rows // len(devices)),
+                "compile_s": round(time.perf_counter() - t0, 1),
+            }
             out.append(row)
             emit(row)
         # The write alone, its own cost without the model's (target donated): one layer's keys
@@ -421,8 +440,15 @@ def compile_writes(cfg, devices, *, rows, slots, windows, writes, emit) -> list[
             new = jax.ShapeDtypeStruct(new_shape, dtype, sharding=row_sharding(len(shape), 0))
             for name in writes:
                 write = WRITES[name] or kv_cache.write_window
-                row = {"kind": "write", "array": what, "scheme": name, "window": window,
-                       "shape": list(shape), "new": list(new_shape), "devices": len(devices)}
+                row = {
+                    "kind": "write",
+                    "array": what,
+                    "scheme": name,
+                    "window": window,
+                    "shape": list(shape),
+                    "new": list(new_shape),
+                    "devices": len(devices),
+                }
                 try:
                     compiled = jax.jit(write, donate_argnums=(0,)).lower(x, new, start).compile()
                 except Exception as e:  # e.g. an integer matmul the backend does not support
@@ -441,21 +467,35 @@ def compile_reads(cfg, devices, *, rows, slots, windows, reads, emit) -> list[di
         size = (window + 1) // 2  # the block size B of a window of 2B - 1
         arrays = {
             # decode: the uncached committed tokens of each row's window
-            "tokens": (jax.ShapeDtypeStruct((rows, slots), jnp.int32,
-                                            sharding=row_sharding(2, 0)), window),
+            "tokens": (
+                jax.ShapeDtypeStruct((rows, slots), jnp.int32, sharding=row_sharding(2, 0)),
+                window,
+            ),
             # decode: the B hidden states whose logits give the block's candidates
-            "hidden": (jax.ShapeDtypeStruct((rows, window, cfg.hidden_size),
-                                            jnp.dtype(cfg.dtype), sharding=row_sharding(3, 0)),
-                       size),
+            "hidden": (
+                jax.ShapeDtypeStruct(
+                    (rows, window, cfg.hidden_size),
+                    jnp.dtype(cfg.dtype),
+                    sharding=row_sharding(3, 0),
+                ),
+                size,
+            ),
         }
         start = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, 0))
         for what, (x, n) in arrays.items():
             for name in reads:
                 fn = jax.jit(functools.partial(READS[name] or kv_cache.read_window, size=n))
                 compiled = fn.lower(x, start).compile()
-                row = {"kind": "read", "scheme": name, "array": what, "shape": list(x.shape),
-                       "size": n, "window": window, "devices": len(devices),
-                       **hlo_summary(compiled, rows // len(devices))}
+                row = {
+                    "kind": "read",
+                    "scheme": name,
+                    "array": what,
+                    "shape": list(x.shape),
+                    "size": n,
+                    "window": window,
+                    "devices": len(devices),
+                    **hlo_summary(compiled, rows // len(devices)),
+                }
                 out.append(row)
                 emit(row)
     return out
@@ -470,16 +510,20 @@ def time_writes_cpu(cfg, *, rows, slots, window, writes, forwards, repeats, seed
     start0 = jnp.asarray(rng.integers(0, slots - forwards * window, (rows,)), jnp.int32)
     fns = {}
     for name in writes:
+
         def loop(params, cache, start0):
             def body(i, cache):
                 _, cache = decode_forward(graphdef, params, ids, cache, start0 + i * window)
                 return cache
+
             return jax.lax.fori_loop(0, forwards, body, cache)
 
         with model_write(name):
-            fns[name] = jax.jit(loop, donate_argnums=(1,)).lower(
-                params, kv_cache.init_cache(cfg, rows, slots), start0
-            ).compile()
+            fns[name] = (
+                jax.jit(loop, donate_argnums=(1,))
+                .lower(params, kv_cache.init_cache(cfg, rows, slots), start0)
+                .compile()
+            )
     best = {name: float("inf") for name in writes}
     results = {}
     for _ in range(repeats + 1):  # the first round warms up
@@ -491,10 +535,17 @@ def time_writes_cpu(cfg, *, rows, slots, window, writes, forwards, repeats, seed
             best[name] = min(best[name], time.perf_counter() - t0)
             results[name] = cache
     ref = results[writes[0]]
-    diff = {name: max(float(jnp.max(jnp.abs(ref[k] - c[k]))) for k in ref)
-            for name, c in results.items()}
-    return {name: {"ms_per_forward": round(best[name] / forwards * 1e3, 3),
-                   "cache_max_abs_diff": diff[name]} for name in writes}
+    diff = {
+        name: max(float(jnp.max(jnp.abs(ref[k] - c[k]))) for k in ref)
+        for name, c in results.items()
+    }
+    return {
+        name: {
+            "ms_per_forward": round(best[name] / forwards * 1e3, 3),
+            "cache_max_abs_diff": diff[name],
+        }
+        for name in writes
+    }
 
 
 def time_reads_cpu(*, rows, slots, window, reads, iters, repeats, seed=0) -> dict:
@@ -505,11 +556,14 @@ def time_reads_cpu(*, rows, slots, window, reads, iters, repeats, seed=0) -> dic
     start = jnp.asarray(rng.integers(0, slots - window, (rows,)), jnp.int32)
     fns = {}
     for name in reads:
+
         def loop(tokens, start, read=READS[name] or kv_cache.read_window):
             def body(i, acc):
                 got = read(tokens, (start + acc) % (slots - window), window)
                 return acc + got[:, 0] % 2
+
             return jax.lax.fori_loop(0, iters, body, jnp.zeros_like(start))
+
         fns[name] = jax.jit(loop).lower(tokens, start).compile()
     best = {name: float("inf") for name in reads}
     outs = {}
@@ -519,8 +573,13 @@ def time_reads_cpu(*, rows, slots, window, reads, iters, repeats, seed=0) -> dic
             outs[name] = jax.block_until_ready(fn(tokens, start))
             best[name] = min(best[name], time.perf_counter() - t0)
     ref = outs[reads[0]]
-    return {name: {"us_per_read": round(best[name] / iters * 1e6, 2),
-                   "equal_to_first": bool(np.array_equal(ref, outs[name]))} for name in reads}
+    return {
+        name: {
+            "us_per_read": round(best[name] / iters * 1e6, 2),
+            "equal_to_first": bool(np.array_equal(ref, outs[name])),
+        }
+        for name in reads
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,8 +595,9 @@ DECODERS = {
 }
 
 
-def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_size, decoders,
-                     emit) -> list[dict]:
+def compile_decoders(
+    cfg, devices, *, rows, prompt_len, max_new_tokens, block_size, decoders, emit
+) -> list[dict]:
     """Lowers and compiles the whole decoder (`mars_jax.decode._generate`: prefill, the
     ``while_loop`` of steps, the output) for each of ``decoders`` (`DECODERS`; "ar" with block
     size 1) on ``devices``: one device, or a (data = all devices) mesh with the default rules,
@@ -555,29 +615,50 @@ def compile_decoders(cfg, devices, *, rows, prompt_len, max_new_tokens, block_si
     params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=param_sharding), params
     )
-    arg = lambda shape, dtype, sh=None: jax.ShapeDtypeStruct(shape, dtype, sharding=sh or row(shape))
+    arg = lambda shape, dtype, sh=None: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=sh or row(shape)
+    )
     key = jax.eval_shape(lambda: jax.random.key(0))
     out = []
     for name in decoders:
         cache_mode, rule = DECODERS[name]
         b = 1 if name == "ar" else block_size
         settings = decode.DecoderSettings(
-            block_size=b, max_new_tokens=max_new_tokens, eos_ids=DEFAULT_EOS_IDS,
-            mask_id=MASK_ID, sampling=False, cache_mode=cache_mode, rule=rule,
-            adaptive_window=True, mesh=mesh, axis_rules=rules, on_accept=None,
+            block_size=b,
+            max_new_tokens=max_new_tokens,
+            eos_ids=DEFAULT_EOS_IDS,
+            mask_id=MASK_ID,
+            sampling=False,
+            cache_mode=cache_mode,
+            rule=rule,
+            adaptive_window=True,
+            mesh=mesh,
+            axis_rules=rules,
+            on_accept=None,
         )
         scalar = lambda dtype: arg((), dtype, param_sharding)
         t0 = time.perf_counter()
         compiled = decode._generate.lower(
-            graphdef, params, arg((rows, prompt_len), jnp.int32), arg((rows,), jnp.int32),
-            arg((rows,), jnp.float32), scalar(jnp.int32), scalar(jnp.float32),
+            graphdef,
+            params,
+            arg((rows, prompt_len), jnp.int32),
+            arg((rows,), jnp.int32),
+            arg((rows,), jnp.float32),
+            scalar(jnp.int32),
+            scalar(jnp.float32),
             jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=param_sharding),
             settings=settings,
         ).compile()
-        result = {"kind": "decoder", "scheme": name, "window": 2 * b - 1, "rows": rows,
-                  "devices": len(devices), "max_forwards": settings.max_forwards,
-                  **hlo_summary(compiled, rows // len(devices)),
-                  "compile_s": round(time.perf_counter() - t0, 1)}
+        result = {
+            "kind": "decoder",
+            "scheme": name,
+            "window": 2 * b - 1,
+            "rows": rows,
+            "devices": len(devices),
+            "max_forwards": settings.max_forwards,
+            **hlo_summary(compiled, rows // len(devices)),
+            "compile_s": round(time.perf_counter() - t0, 1),
+        }
         out.append(result)
         emit(result)
     return out
@@ -588,7 +669,8 @@ def _loops_text(row: dict) -> str:
         return "-"
     return "; ".join(
         f"bound {lp['bound']} from {lp['source']} [{','.join(lp['body_ops']) or 'no slicing'}]"
-        f"{' ROW LOOP' if lp['row_loop'] else ''}" for lp in row["loops"]
+        f"{' ROW LOOP' if lp['row_loop'] else ''}"
+        for lp in row["loops"]
     )
 
 
@@ -630,7 +712,8 @@ def main() -> None:
     cpu_forwards = flags.DEFINE_integer("cpu_forwards", 8, "Forwards per timed CPU call.")
     cpu_repeats = flags.DEFINE_integer("cpu_repeats", 5, "Timed CPU calls (0: no CPU timing).")
     decoders = flags.DEFINE_list(
-        "decoders", [], f"Whole decoders to lower, of {list(DECODERS)} (prompt 8, 8 new tokens).")
+        "decoders", [], f"Whole decoders to lower, of {list(DECODERS)} (prompt 8, 8 new tokens)."
+    )
     block_size = flags.DEFINE_integer("block_size", 4, "Block size of the --decoders.")
     as_json = flags.DEFINE_bool("json", False, "Print JSON lines instead of tables.")
 
@@ -643,32 +726,61 @@ def main() -> None:
         config_lib.validate(config.value, training=False, paths=False)  # its model section
         cfg = model_lib.ModelConfig(**config.value.model)
         ws = [int(w) for w in windows.value]
-        emit = (lambda r: print(json.dumps(r), flush=True)) if as_json.value else (
-            lambda r: print(format_row(r), flush=True)
+        emit = (
+            (lambda r: print(json.dumps(r), flush=True))
+            if as_json.value
+            else (lambda r: print(format_row(r), flush=True))
         )
         if topology.value:
             devices = tpu_devices(topology.value)
             if not as_json.value:
-                print(f"{topology.value} ({devices[0].device_kind}, {len(devices)} devices), "
-                      f"R={rows.value}, S={slots.value}, {cfg}\n\n{HEADER}", flush=True)
+                print(
+                    f"{topology.value} ({devices[0].device_kind}, {len(devices)} devices), "
+                    f"R={rows.value}, S={slots.value}, {cfg}\n\n{HEADER}",
+                    flush=True,
+                )
             kwargs = dict(rows=rows.value, slots=slots.value, windows=ws, emit=emit)
             compile_writes(cfg, devices, writes=writes.value, **kwargs)
             compile_reads(cfg, devices, reads=reads.value, **kwargs)
-            compile_decoders(cfg, devices, rows=rows.value, prompt_len=8, max_new_tokens=8,
-                             block_size=block_size.value, decoders=decoders.value, emit=emit)
+            compile_decoders(
+                cfg,
+                devices,
+                rows=rows.value,
+                prompt_len=8,
+                max_new_tokens=8,
+                block_size=block_size.value,
+                decoders=decoders.value,
+                emit=emit,
+            )
         if cpu_repeats.value:
-            t = time_writes_cpu(cfg, rows=rows.value, slots=slots.value, window=cpu_window.value,
-                                writes=writes.value, forwards=cpu_forwards.value,
-                                repeats=cpu_repeats.value)
-            r = time_reads_cpu(rows=rows.value, slots=slots.value, window=cpu_window.value,
-                               reads=reads.value, iters=200, repeats=cpu_repeats.value)
+            t = time_writes_cpu(
+                cfg,
+                rows=rows.value,
+                slots=slots.value,
+                window=cpu_window.value,
+                writes=writes.value,
+                forwards=cpu_forwards.value,
+                repeats=cpu_repeats.value,
+            )
+            r = time_reads_cpu(
+                rows=rows.value,
+                slots=slots.value,
+                window=cpu_window.value,
+                reads=reads.value,
+                iters=200,
+                repeats=cpu_repeats.value,
+            )
             if as_json.value:
                 print(json.dumps({"kind": "cpu_time", "writes": t, "reads": r}), flush=True)
             else:
-                print(f"\nCPU ({jax.devices('cpu')[0].device_kind}), R={rows.value}, "
-                      f"S={slots.value}, T={cpu_window.value}, best of {cpu_repeats.value}:")
-                print(f"| write scheme | ms / forward | cache max abs diff to {writes.value[0]} |"
-                      "\n|---|---|---|")
+                print(
+                    f"\nCPU ({jax.devices('cpu')[0].device_kind}), R={rows.value}, "
+                    f"S={slots.value}, T={cpu_window.value}, best of {cpu_repeats.value}:"
+                )
+                print(
+                    f"| write scheme | ms / forward | cache max abs diff to {writes.value[0]} |"
+                    "\n|---|---|---|"
+                )
                 for name, v in t.items():
                     print(f"| {name} | {v['ms_per_forward']} | {v['cache_max_abs_diff']:.2g} |")
                 print("| read scheme (tokens window) | µs / read | equal |\n|---|---|---|")

@@ -93,10 +93,11 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from mars_jax import cli, decode, huggingface, vocab, workdir as wd
-from mars_jax import config as config_lib
-from mars_jax.batches import eval_examples, eval_source
 from benchmarks import decode_step
+from mars_jax import cli, decode, huggingface, vocab
+from mars_jax import config as config_lib
+from mars_jax import workdir as wd
+from mars_jax.batches import eval_examples, eval_source
 from mars_jax.kv_cache import init_cache
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
@@ -113,10 +114,23 @@ MARS = {
 AR = dict(cache_mode="sliding", rule="prob")  # with block_size 1 and threshold 1.0
 DECODERS = ("ar", *MARS, "transformers")
 KEYS = (
-    "model", "decoder", "batch", "threshold", "block_size", "prompts", "max_new_tokens",
-    "tokens", "forwards", "seconds", "prefill_ms", "tokens_per_forward", "step_ms",
+    "model",
+    "decoder",
+    "batch",
+    "threshold",
+    "block_size",
+    "prompts",
+    "max_new_tokens",
+    "tokens",
+    "forwards",
+    "seconds",
+    "prefill_ms",
+    "tokens_per_forward",
+    "step_ms",
     "tokens_per_s",
-    "speedup", "conversion", "same_as_ar",
+    "speedup",
+    "conversion",
+    "same_as_ar",
 )
 
 
@@ -174,19 +188,35 @@ def load_transformers(model: Qwen2, *, eos_ids: Sequence[int], pad_id: int):
     return hf
 
 
-def make_subject(name: str, model: Qwen2, prompts, *, eos_ids=DEFAULT_EOS_IDS,
-                 pad_id: int = ENDOFTEXT_ID, **fields) -> Subject:
+def make_subject(
+    name: str,
+    model: Qwen2,
+    prompts,
+    *,
+    eos_ids=DEFAULT_EOS_IDS,
+    pad_id: int = ENDOFTEXT_ID,
+    **fields,
+) -> Subject:
     """A `Subject` of ``model`` with its transformers twin (`load_transformers`); ``fields``
     are the other `Subject` fields."""
     hf = load_transformers(model, eos_ids=eos_ids, pad_id=pad_id)
-    return Subject(name, model, hf, [list(p) for p in prompts], eos_ids=tuple(eos_ids),
-                   pad_id=pad_id, **fields)
+    return Subject(
+        name, model, hf, [list(p) for p in prompts], eos_ids=tuple(eos_ids), pad_id=pad_id, **fields
+    )
 
 
-def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir: str | None = None,
-                   config=None, num_prompts: int = 64, max_new_tokens: int = 128,
-                   shape_prompt_len: int = 40, shape_max_new_tokens: int = 16,
-                   shape_dtype: str = "float32") -> list[Subject]:
+def build_subjects(
+    names: Sequence[str],
+    *,
+    batch_sizes: Sequence[int],
+    workdir: str | None = None,
+    config=None,
+    num_prompts: int = 64,
+    max_new_tokens: int = 128,
+    shape_prompt_len: int = 40,
+    shape_max_new_tokens: int = 16,
+    shape_dtype: str = "float32",
+) -> list[Subject]:
     """The models ``names`` (`MODELS`) and their prompts (module docstring)."""
     subjects = []
     for name in names:
@@ -199,30 +229,47 @@ def build_subjects(names: Sequence[str], *, batch_sizes: Sequence[int], workdir:
             examples = eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
             prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m, _ in examples]
             prompts = [prompts[i % len(prompts)] for i in range(need)]
-            subjects.append(make_subject(
-                name, model, prompts, block_size=wd.trained_block_size(workdir),
-                max_new_tokens=max_new_tokens, eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
-                pad_id=tok.pad_id, mask_id=tok.mask_id, min_prompts=num_prompts,
-            ))
+            subjects.append(
+                make_subject(
+                    name,
+                    model,
+                    prompts,
+                    block_size=wd.trained_block_size(workdir),
+                    max_new_tokens=max_new_tokens,
+                    eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
+                    pad_id=tok.pad_id,
+                    mask_id=tok.mask_id,
+                    min_prompts=num_prompts,
+                )
+            )
         elif name.endswith("_shape") and name[: -len("_shape")] in decode_step.SHAPES:
             shape = name[: -len("_shape")]
             cfg = decode_step.model_config(shape, shape_dtype)
-            block_size = importlib.import_module(f"configs.{shape}").get_config(
-                "mars").objective.block_size
+            block_size = (
+                importlib.import_module(f"configs.{shape}").get_config("mars").objective.block_size
+            )
             rng = np.random.default_rng(0)
             prompts = rng.integers(0, ENDOFTEXT_ID, (max(batch_sizes), shape_prompt_len))
-            subjects.append(make_subject(
-                name, nnx.merge(*decode_step.random_params(cfg)), prompts.tolist(),
-                block_size=block_size, max_new_tokens=shape_max_new_tokens,
-                eos_ids=(), one_threshold=True, none_max_batch=4,
-            ))
+            subjects.append(
+                make_subject(
+                    name,
+                    nnx.merge(*decode_step.random_params(cfg)),
+                    prompts.tolist(),
+                    block_size=block_size,
+                    max_new_tokens=shape_max_new_tokens,
+                    eos_ids=(),
+                    one_threshold=True,
+                    none_max_batch=4,
+                )
+            )
         else:
             raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
     return subjects
 
 
-def transformers_generate(hf, prompts, *, batch_size: int, max_new_tokens: int,
-                          eos_ids: Sequence[int], pad_id: int) -> decode.DecodeOutput:
+def transformers_generate(
+    hf, prompts, *, batch_size: int, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int
+) -> decode.DecodeOutput:
     """Greedy ``hf.generate`` of ``prompts`` in batches, left-padded to the longest prompt with
     an attention mask, as a `decode.DecodeOutput` (cut before the first of ``eos_ids``;
     forwards = generated positions of each batch, its prefill included)."""
@@ -232,9 +279,11 @@ def transformers_generate(hf, prompts, *, batch_size: int, max_new_tokens: int,
     outputs = []
     for ids, mask in _padded_batches(prompts, batch_size, pad_id, left=True):
         with torch.inference_mode():
-            seq = hf.generate(input_ids=torch.from_numpy(ids).to(hf.device),
-                              attention_mask=torch.from_numpy(mask).to(hf.device),
-                              max_new_tokens=max_new_tokens)
+            seq = hf.generate(
+                input_ids=torch.from_numpy(ids).to(hf.device),
+                attention_mask=torch.from_numpy(mask).to(hf.device),
+                max_new_tokens=max_new_tokens,
+            )
         gen = seq[:, width:].cpu().numpy().astype(np.int32)
         n = gen.shape[1]
         is_eos = np.isin(gen, np.asarray(eos_ids, np.int32))
@@ -285,11 +334,15 @@ def prefill_run(s: Subject, family: str, *, batch: int, block_size: int):
         def run():
             with torch.inference_mode():
                 for ids, mask in batches:
-                    s.hf(input_ids=torch.from_numpy(ids).to(s.hf.device),
-                         attention_mask=torch.from_numpy(mask).to(s.hf.device),
-                         use_cache=True, logits_to_keep=1)  # as generate: the last only
+                    s.hf(
+                        input_ids=torch.from_numpy(ids).to(s.hf.device),
+                        attention_mask=torch.from_numpy(mask).to(s.hf.device),
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )  # as generate: the last only
                 if s.hf.device.type == "cuda":
                     torch.cuda.synchronize()
+
         return run
     graphdef, params = nnx.split(s.model)
     width = max(map(len, prompts))
@@ -304,14 +357,21 @@ def decoder_run(s: Subject, decoder: str, *, batch: int, threshold: float):
     """One configuration: a function that decodes ``s.prompts_for(batch)`` with ``decoder``
     (`DECODERS`) at ``threshold`` and returns its `decode.DecodeOutput`."""
     prompts = s.prompts_for(batch)
-    common = dict(batch_size=batch, pad_id=s.pad_id, max_new_tokens=s.max_new_tokens,
-                  eos_ids=s.eos_ids)
+    common = dict(
+        batch_size=batch, pad_id=s.pad_id, max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids
+    )
     if decoder == "transformers":
         return lambda: transformers_generate(s.hf, prompts, **common)
     block_size, kwargs = (s.block_size, MARS[decoder]) if decoder in MARS else (1, AR)
-    return lambda: decode.generate_batched(s.model, prompts, block_size=block_size,
-                                           threshold=threshold, mask_id=s.mask_id, **kwargs,
-                                           **common)
+    return lambda: decode.generate_batched(
+        s.model,
+        prompts,
+        block_size=block_size,
+        threshold=threshold,
+        mask_id=s.mask_id,
+        **kwargs,
+        **common,
+    )
 
 
 def best_seconds(runs, repeats: int) -> list[float]:
@@ -326,9 +386,14 @@ def best_seconds(runs, repeats: int) -> list[float]:
     return best
 
 
-def benchmark(subjects: Sequence[Subject], *, batch_sizes: Sequence[int],
-              thresholds: Sequence[float], decoders: Sequence[str] = DECODERS,
-              repeats: int = 2) -> list[dict]:
+def benchmark(
+    subjects: Sequence[Subject],
+    *,
+    batch_sizes: Sequence[int],
+    thresholds: Sequence[float],
+    decoders: Sequence[str] = DECODERS,
+    repeats: int = 2,
+) -> list[dict]:
     """Every (model, batch, decoder, threshold) row, with all of `KEYS`. ar (the speedup
     baseline) is always included, ar and transformers at threshold 1.0 only. Per model and
     batch, every configuration runs once untimed (compilation), then `best_seconds`."""
@@ -337,15 +402,18 @@ def benchmark(subjects: Sequence[Subject], *, batch_sizes: Sequence[int],
         mars = [min(thresholds)] if s.one_threshold else list(thresholds)
         for batch in batch_sizes:
             configs = [
-                (d, t) for d in DECODERS if d == "ar" or d in decoders
+                (d, t)
+                for d in DECODERS
+                if d == "ar" or d in decoders
                 if not (d == "none" and batch > (s.none_max_batch or batch))
                 for t in (mars if d in MARS else [1.0])
             ]
-            prefills = {"jax_1": prefill_run(s, "jax", batch=batch, block_size=1),
-                        "jax_b": prefill_run(s, "jax", batch=batch, block_size=s.block_size)}
+            prefills = {
+                "jax_1": prefill_run(s, "jax", batch=batch, block_size=1),
+                "jax_b": prefill_run(s, "jax", batch=batch, block_size=s.block_size),
+            }
             if "transformers" in decoders:
-                prefills["transformers"] = prefill_run(s, "transformers", batch=batch,
-                                                       block_size=1)
+                prefills["transformers"] = prefill_run(s, "transformers", batch=batch, block_size=1)
             runs = [decoder_run(s, d, batch=batch, threshold=t) for d, t in configs]
             outs = [run() for run in runs]
             for run in prefills.values():
@@ -357,27 +425,42 @@ def benchmark(subjects: Sequence[Subject], *, batch_sizes: Sequence[int],
                 tokens = int(out.accepted.sum())
                 speedup = tokens / sec / ar
                 pre = {"ar": prefill["jax_1"], "none": 0.0}.get(
-                    decoder, prefill.get(decoder, prefill["jax_b"]))
+                    decoder, prefill.get(decoder, prefill["jax_b"])
+                )
                 # transformers' first token comes from its prefill.
                 steps = out.forwards - (len(out.lengths) // batch) * (decoder == "transformers")
                 same = [a == b for a, b in zip(out.completions(), outs[0].completions())]
-                rows.append(dict(
-                    model=s.name, decoder=decoder, batch=batch, threshold=threshold,
-                    block_size=s.block_size if decoder in MARS else 1,
-                    prompts=len(out.lengths), max_new_tokens=s.max_new_tokens, tokens=tokens,
-                    forwards=out.forwards, seconds=sec, prefill_ms=1e3 * pre,
-                    tokens_per_forward=out.tokens_per_forward,
-                    step_ms=1e3 * (sec - pre) / max(steps, 1),
-                    tokens_per_s=tokens / sec, speedup=float(speedup),
-                    conversion=float(speedup / out.tokens_per_forward),
-                    same_as_ar=float(np.mean(same))))
+                rows.append(
+                    dict(
+                        model=s.name,
+                        decoder=decoder,
+                        batch=batch,
+                        threshold=threshold,
+                        block_size=s.block_size if decoder in MARS else 1,
+                        prompts=len(out.lengths),
+                        max_new_tokens=s.max_new_tokens,
+                        tokens=tokens,
+                        forwards=out.forwards,
+                        seconds=sec,
+                        prefill_ms=1e3 * pre,
+                        tokens_per_forward=out.tokens_per_forward,
+                        step_ms=1e3 * (sec - pre) / max(steps, 1),
+                        tokens_per_s=tokens / sec,
+                        speedup=float(speedup),
+                        conversion=float(speedup / out.tokens_per_forward),
+                        same_as_ar=float(np.mean(same)),
+                    )
+                )
     return rows
 
 
 def markdown(rows: Sequence[dict]) -> str:
     """The rows as a markdown table."""
-    lines = ["| model | decoder | batch | threshold | tokens/forward | step ms | tokens/s | "
-             "speedup | conversion | same as AR |", "|---" * 10 + "|"]
+    lines = [
+        "| model | decoder | batch | threshold | tokens/forward | step ms | tokens/s | "
+        "speedup | conversion | same as AR |",
+        "|---" * 10 + "|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['decoder']} | {r['batch']} | {r['threshold']:.2f} | "
@@ -407,9 +490,14 @@ def plot(rows: Sequence[dict], path: str) -> None:
         for (decoder, threshold), line in lines.items():
             style, marker = styles[thresholds.index(threshold) % len(styles)]
             mars = decoder in MARS
-            ax.plot([r["batch"] for r in line], [r["speedup"] for r in line],
-                    color=f"C{DECODERS.index(decoder)}", linestyle=style, marker=marker,
-                    label=f"{decoder} t={threshold:g}" if mars else decoder)
+            ax.plot(
+                [r["batch"] for r in line],
+                [r["speedup"] for r in line],
+                color=f"C{DECODERS.index(decoder)}",
+                linestyle=style,
+                marker=marker,
+                label=f"{decoder} t={threshold:g}" if mars else decoder,
+            )
         ax.set(xlabel="batch size", ylabel="speedup over ar (tokens/s)", title=model)
         ax.set_xscale("log", base=2)
         batches = sorted({r["batch"] for r in rows if r["model"] == model})
@@ -432,58 +520,90 @@ def main() -> None:
     config = cli.config_flag(help="Config of the trained run (its eval data gives the prompts).")
     workdir = flags.DEFINE_string("workdir", None, "Trained run directory (--model=trained).")
     models = flags.DEFINE_list(
-        "model", ["both"], f"Models: both (trained, qwen0_5b_shape), or a list of {MODELS}.")
+        "model", ["both"], f"Models: both (trained, qwen0_5b_shape), or a list of {MODELS}."
+    )
     decoders = flags.DEFINE_list("decoders", list(DECODERS), "Decoders (ar is always timed).")
     batch_sizes = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes.")
     thresholds = flags.DEFINE_list("thresholds", ["1.0", "0.95", "0.9", "0.8"], "MARS thresholds.")
     num_prompts = flags.DEFINE_integer(
-        "num_prompts", 64, "Trained model: prompts per configuration (whole batches).")
+        "num_prompts", 64, "Trained model: prompts per configuration (whole batches)."
+    )
     max_new = flags.DEFINE_integer("max_new_tokens", 128, "Trained model: completion budget.")
     shape_len = flags.DEFINE_integer("shape_prompt_len", 40, "*_shape: prompt tokens.")
     shape_new = flags.DEFINE_integer("shape_max_new_tokens", 16, "*_shape: new tokens.")
-    shape_dtype = flags.DEFINE_string("shape_dtype", "float32", "*_shape: parameter and compute "
-                                      "dtype (transformers runs the same).")
+    shape_dtype = flags.DEFINE_string(
+        "shape_dtype",
+        "float32",
+        "*_shape: parameter and compute dtype (transformers runs the same).",
+    )
     repeats = flags.DEFINE_integer("repeats", 2, "Timed runs per configuration (best is kept).")
     as_json = flags.DEFINE_bool("json", False, "Print one JSON line per row, not a table.")
     output_dir = flags.DEFINE_string(
-        "output_dir", "", "Write decode_speed.{md,jsonl,png} (decode_step.{md,jsonl}) here.")
+        "output_dir", "", "Write decode_speed.{md,jsonl,png} (decode_step.{md,jsonl}) here."
+    )
     # Fixed acceptance (benchmarks/decode_step.py): --accept switches to the step table.
     accept = flags.DEFINE_list(
-        "accept", [], "Fixed acceptance: time steps where every row accepts exactly K tokens per "
-        "forward, for each K (benchmarks/decode_step.py; K > B is skipped).")
-    shapes = flags.DEFINE_list("shapes", ["qwen0_5b"], "--accept: architectures (tiny, "
-                               "qwen0_5b, qwen7b), random weights.")
+        "accept",
+        [],
+        "Fixed acceptance: time steps where every row accepts exactly K tokens per "
+        "forward, for each K (benchmarks/decode_step.py; K > B is skipped).",
+    )
+    shapes = flags.DEFINE_list(
+        "shapes", ["qwen0_5b"], "--accept: architectures (tiny, qwen0_5b, qwen7b), random weights."
+    )
     dtypes = flags.DEFINE_list("dtypes", ["float32"], "--accept: dtypes (float32, bfloat16).")
     block_sizes = flags.DEFINE_list("block_sizes", ["4", "8"], "--accept: block sizes B.")
     modes = flags.DEFINE_list("modes", list(decode_step.MODES), "--accept: modes.")
     prompt_len = flags.DEFINE_integer("prompt_len", 128, "--accept: prompt tokens per row.")
     steps = flags.DEFINE_integer("steps", 8, "--accept: forwards per timed program.")
-    parts = flags.DEFINE_bool("parts", False, "With --accept: also time a step's pieces alone "
-                              "(layers, projection, choice; benchmarks/decode_step.parts).")
+    parts = flags.DEFINE_bool(
+        "parts",
+        False,
+        "With --accept: also time a step's pieces alone "
+        "(layers, projection, choice; benchmarks/decode_step.parts).",
+    )
     profile_dir = flags.DEFINE_string("profile_dir", "", "--parts: write jax.profiler traces.")
 
     def save(rows):  # after every group, so that a run stopped early keeps what it measured
-        header = (f"{decode_step.device_line()}; fixed acceptance, {steps.value} forwards per "
-                  f"program, best of {repeats.value}, prompts of {prompt_len.value} tokens.\n\n")
+        header = (
+            f"{decode_step.device_line()}; fixed acceptance, {steps.value} forwards per "
+            f"program, best of {repeats.value}, prompts of {prompt_len.value} tokens.\n\n"
+        )
         if output_dir.value:
             decode_step.write(rows, output_dir.value, header)
 
     def run_steps():
         rows = decode_step.benchmark(
-            shapes=shapes.value, dtypes=dtypes.value,
+            shapes=shapes.value,
+            dtypes=dtypes.value,
             batch_sizes=[int(b) for b in batch_sizes.value],
             block_sizes=[int(b) for b in block_sizes.value],
-            accepts=[int(k) for k in accept.value], modes=modes.value,
-            prompt_len=prompt_len.value, steps=steps.value, repeats=repeats.value,
-            emit=lambda text: print(text, flush=True), on_rows=save)
+            accepts=[int(k) for k in accept.value],
+            modes=modes.value,
+            prompt_len=prompt_len.value,
+            steps=steps.value,
+            repeats=repeats.value,
+            emit=lambda text: print(text, flush=True),
+            on_rows=save,
+        )
         if as_json.value:
             print("\n".join(json.dumps(r) for r in rows))
         if parts.value:
-            pieces = [p for shape in shapes.value for dtype in dtypes.value
-                      for b in batch_sizes.value for p in decode_step.parts(
-                          shape, dtype, batch=int(b), block_size=int(block_sizes.value[0]),
-                          prompt_len=prompt_len.value, repeats=repeats.value,
-                          profile_dir=profile_dir.value)]
+            pieces = [
+                p
+                for shape in shapes.value
+                for dtype in dtypes.value
+                for b in batch_sizes.value
+                for p in decode_step.parts(
+                    shape,
+                    dtype,
+                    batch=int(b),
+                    block_size=int(block_sizes.value[0]),
+                    prompt_len=prompt_len.value,
+                    repeats=repeats.value,
+                    profile_dir=profile_dir.value,
+                )
+            ]
             print(decode_step.parts_markdown(pieces))
             if output_dir.value:
                 with open(os.path.join(output_dir.value, "decode_step_parts.md"), "w") as f:
@@ -502,19 +622,32 @@ def main() -> None:
             raise ValueError(f"unknown decoders {sorted(unknown)}; expected some of {DECODERS}")
         sizes = [int(b) for b in batch_sizes.value]
         subjects = build_subjects(
-            names, batch_sizes=sizes, workdir=workdir.value, config=config.value,
-            num_prompts=num_prompts.value, max_new_tokens=max_new.value,
-            shape_prompt_len=shape_len.value, shape_max_new_tokens=shape_new.value,
-            shape_dtype=shape_dtype.value)
-        rows = benchmark(subjects, batch_sizes=sizes,
-                         thresholds=[float(t) for t in thresholds.value],
-                         decoders=decoders.value, repeats=repeats.value)
+            names,
+            batch_sizes=sizes,
+            workdir=workdir.value,
+            config=config.value,
+            num_prompts=num_prompts.value,
+            max_new_tokens=max_new.value,
+            shape_prompt_len=shape_len.value,
+            shape_max_new_tokens=shape_new.value,
+            shape_dtype=shape_dtype.value,
+        )
+        rows = benchmark(
+            subjects,
+            batch_sizes=sizes,
+            thresholds=[float(t) for t in thresholds.value],
+            decoders=decoders.value,
+            repeats=repeats.value,
+        )
         header = (
             f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; transformers on torch "
             f"{torch.__version__} with {torch.get_num_threads()} threads; best of "
             f"{repeats.value}. "
-            + " ".join(f"{s.name}: block size {s.block_size}, max_new_tokens "
-                       f"{s.max_new_tokens}, EOS {list(s.eos_ids) or 'none'}." for s in subjects)
+            + " ".join(
+                f"{s.name}: block size {s.block_size}, max_new_tokens "
+                f"{s.max_new_tokens}, EOS {list(s.eos_ids) or 'none'}."
+                for s in subjects
+            )
             + "\n\n"
         )
         print("\n".join(json.dumps(r) for r in rows) if as_json.value else header + markdown(rows))

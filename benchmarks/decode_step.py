@@ -53,8 +53,22 @@ from mars_jax.tokenizer import MASK_ID
 MODES = ("ar", "sliding", "sliding_fixed", "block")
 SHAPES = ("tiny", "qwen0_5b", "qwen7b")
 ACCEPT_ALL = 1e-30  # below any probability the prob rule computes: every candidate qualifies
-KEYS = ("shape", "dtype", "batch", "block_size", "mode", "accept", "prompt_len", "steps",
-        "step_ms", "ar_step_ms", "conversion", "tokens_per_forward", "speedup", "param_bytes")
+KEYS = (
+    "shape",
+    "dtype",
+    "batch",
+    "block_size",
+    "mode",
+    "accept",
+    "prompt_len",
+    "steps",
+    "step_ms",
+    "ar_step_ms",
+    "conversion",
+    "tokens_per_forward",
+    "speedup",
+    "param_bytes",
+)
 
 
 def model_config(shape: str, dtype: str, **overrides) -> ModelConfig:
@@ -79,25 +93,41 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> tuple[object, nnx.State]:
     return graphdef, params
 
 
-def make_decoder(graphdef, *, block_size: int, mode: str, max_new_tokens: int,
-                 mesh=None, axis_rules=None) -> decode.Decoder:
+def make_decoder(
+    graphdef, *, block_size: int, mode: str, max_new_tokens: int, mesh=None, axis_rules=None
+) -> decode.Decoder:
     """The `decode.Decoder` of ``mode`` (`MODES`; ``ar`` is block size 1), with no EOS."""
-    return decode.Decoder(graphdef, decode.DecoderSettings(
-        block_size=1 if mode == "ar" else block_size, max_new_tokens=max_new_tokens, eos_ids=(),
-        mask_id=MASK_ID, sampling=False,
-        cache_mode="block" if mode == "block" else "sliding", rule="prob",
-        adaptive_window=mode != "sliding_fixed", mesh=mesh, axis_rules=axis_rules, on_accept=None,
-    ))
+    return decode.Decoder(
+        graphdef,
+        decode.DecoderSettings(
+            block_size=1 if mode == "ar" else block_size,
+            max_new_tokens=max_new_tokens,
+            eos_ids=(),
+            mask_id=MASK_ID,
+            sampling=False,
+            cache_mode="block" if mode == "block" else "sliding",
+            rule="prob",
+            adaptive_window=mode != "sliding_fixed",
+            mesh=mesh,
+            axis_rules=axis_rules,
+            on_accept=None,
+        ),
+    )
 
 
-def prefill(decoder: decode.Decoder, params, *, rows: int, prompt_len: int, accept: int,
-            seed: int = 0) -> decode.DecodeState:
+def prefill(
+    decoder: decode.Decoder, params, *, rows: int, prompt_len: int, accept: int, seed: int = 0
+) -> decode.DecodeState:
     """The state after prefilling ``rows`` random prompts of ``prompt_len`` tokens, each row
     accepting exactly ``accept`` tokens per forward from then on."""
     ids = np.random.default_rng(seed).integers(0, decode.ENDOFTEXT_ID, (rows, prompt_len))
     return decoder.prefill(
-        params, jnp.asarray(ids, jnp.int32), jnp.full((rows,), prompt_len, jnp.int32),
-        jnp.full((rows,), ACCEPT_ALL, jnp.float32), jnp.int32(accept), jnp.float32(0.0),
+        params,
+        jnp.asarray(ids, jnp.int32),
+        jnp.full((rows,), prompt_len, jnp.int32),
+        jnp.full((rows,), ACCEPT_ALL, jnp.float32),
+        jnp.int32(accept),
+        jnp.float32(0.0),
         jax.random.key(seed),
     )
 
@@ -122,29 +152,45 @@ class Case:
         seconds = time.perf_counter() - start
         if bool(jnp.any(self.state.done)):
             raise RuntimeError(f"{self.mode}: a row finished inside the timed forwards")
-        self.tokens_per_forward = float((after[0] - before[0]).sum()
-                                        / max((after[1] - before[1]).sum(), 1))
+        self.tokens_per_forward = float(
+            (after[0] - before[0]).sum() / max((after[1] - before[1]).sum(), 1)
+        )
         return seconds
 
 
-def benchmark_group(graphdef, params, *, shape: str, dtype: str, batch: int, block_size: int,
-                    accepts: Sequence[int], modes: Sequence[str], prompt_len: int, steps: int,
-                    repeats: int, budget_block: int | None = None) -> list[dict]:
+def benchmark_group(
+    graphdef,
+    params,
+    *,
+    shape: str,
+    dtype: str,
+    batch: int,
+    block_size: int,
+    accepts: Sequence[int],
+    modes: Sequence[str],
+    prompt_len: int,
+    steps: int,
+    repeats: int,
+    budget_block: int | None = None,
+) -> list[dict]:
     """Every (mode, K) row of one (shape, dtype, batch, B) group, ar included (`KEYS`).
     The completion budget, never reached, is sized for K up to ``budget_block`` (default B):
     groups of one batch size that share it share their AR program."""
     accepts = [k for k in accepts if 1 <= k <= block_size]
     budget = ((repeats + 1) * steps + 1) * (budget_block or block_size)
-    cases = [Case("ar", 1, None, None)] + [Case(m, k, None, None) for m in modes if m != "ar"
-                                           for k in accepts]
+    cases = [Case("ar", 1, None, None)] + [
+        Case(m, k, None, None) for m in modes if m != "ar" for k in accepts
+    ]
     decoders = {}
     for case in cases:
         if case.mode not in decoders:
-            decoders[case.mode] = make_decoder(graphdef, block_size=block_size, mode=case.mode,
-                                               max_new_tokens=budget)
+            decoders[case.mode] = make_decoder(
+                graphdef, block_size=block_size, mode=case.mode, max_new_tokens=budget
+            )
         case.decoder = decoders[case.mode]
-        case.state = prefill(case.decoder, params, rows=batch, prompt_len=prompt_len,
-                             accept=case.accept)
+        case.state = prefill(
+            case.decoder, params, rows=batch, prompt_len=prompt_len, accept=case.accept
+        )
         case.run(params, steps)  # compiles (once per mode), warms up
     for _ in range(repeats):
         for case in cases:
@@ -154,19 +200,40 @@ def benchmark_group(graphdef, params, *, shape: str, dtype: str, batch: int, blo
     for case in cases:
         step_ms = 1e3 * case.best / steps
         conversion = ar_ms / step_ms
-        rows.append(dict(
-            shape=shape, dtype=dtype, batch=batch, block_size=case.decoder.settings.block_size,
-            mode=case.mode, accept=case.accept, prompt_len=prompt_len, steps=steps,
-            step_ms=step_ms, ar_step_ms=ar_ms, conversion=conversion,
-            tokens_per_forward=case.tokens_per_forward,
-            speedup=case.tokens_per_forward * conversion))
+        rows.append(
+            dict(
+                shape=shape,
+                dtype=dtype,
+                batch=batch,
+                block_size=case.decoder.settings.block_size,
+                mode=case.mode,
+                accept=case.accept,
+                prompt_len=prompt_len,
+                steps=steps,
+                step_ms=step_ms,
+                ar_step_ms=ar_ms,
+                conversion=conversion,
+                tokens_per_forward=case.tokens_per_forward,
+                speedup=case.tokens_per_forward * conversion,
+            )
+        )
     return rows
 
 
-def benchmark(*, shapes: Sequence[str], dtypes: Sequence[str], batch_sizes: Sequence[int],
-              block_sizes: Sequence[int], accepts: Sequence[int], modes: Sequence[str] = MODES,
-              prompt_len: int = 128, steps: int = 8, repeats: int = 3, emit=print,
-              on_rows=None) -> list[dict]:
+def benchmark(
+    *,
+    shapes: Sequence[str],
+    dtypes: Sequence[str],
+    batch_sizes: Sequence[int],
+    block_sizes: Sequence[int],
+    accepts: Sequence[int],
+    modes: Sequence[str] = MODES,
+    prompt_len: int = 128,
+    steps: int = 8,
+    repeats: int = 3,
+    emit=print,
+    on_rows=None,
+) -> list[dict]:
     """All rows, group by group: ``emit`` gets each group's markdown lines as they finish and
     ``on_rows`` (if given) every row so far."""
     unknown = set(modes) - set(MODES)
@@ -180,9 +247,19 @@ def benchmark(*, shapes: Sequence[str], dtypes: Sequence[str], batch_sizes: Sequ
             for batch in batch_sizes:
                 for b in block_sizes:
                     group = benchmark_group(
-                        graphdef, params, shape=shape, dtype=dtype, batch=batch, block_size=b,
-                        accepts=accepts, modes=modes, prompt_len=prompt_len, steps=steps,
-                        repeats=repeats, budget_block=max(block_sizes))
+                        graphdef,
+                        params,
+                        shape=shape,
+                        dtype=dtype,
+                        batch=batch,
+                        block_size=b,
+                        accepts=accepts,
+                        modes=modes,
+                        prompt_len=prompt_len,
+                        steps=steps,
+                        repeats=repeats,
+                        budget_block=max(block_sizes),
+                    )
                     weights = sum(x.nbytes for x in jax.tree.leaves(params))
                     for r in group:  # a step's floor is weights / HBM bandwidth
                         r["param_bytes"] = weights
@@ -196,13 +273,21 @@ def benchmark(*, shapes: Sequence[str], dtypes: Sequence[str], batch_sizes: Sequ
 
 def markdown(rows: Sequence[dict], header: bool = True) -> str:
     """The rows as a markdown table (``header``: with its title lines)."""
-    lines = ["| shape | dtype | batch | B | mode | K | step ms | AR step ms | conversion | "
-             "tokens/forward | speedup |", "|---" * 11 + "|"] if header else []
+    lines = (
+        [
+            "| shape | dtype | batch | B | mode | K | step ms | AR step ms | conversion | "
+            "tokens/forward | speedup |",
+            "|---" * 11 + "|",
+        ]
+        if header
+        else []
+    )
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['block_size']} | {r['mode']} | "
             f"{r['accept']} | {r['step_ms']:.2f} | {r['ar_step_ms']:.2f} | "
-            f"{r['conversion']:.2f} | {r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x |")
+            f"{r['conversion']:.2f} | {r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -227,8 +312,16 @@ def device_line() -> str:
     return f"JAX {jax.__version__} on {d.device_kind} ({d.platform}) x {jax.device_count()}"
 
 
-def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: int,
-          repeats: int = 5, profile_dir: str = "") -> list[dict]:
+def parts(
+    shape: str,
+    dtype: str,
+    *,
+    batch: int,
+    block_size: int,
+    prompt_len: int,
+    repeats: int = 5,
+    profile_dir: str = "",
+) -> list[dict]:
     """Where a step's time goes: the pieces of a sliding step timed alone (each a jitted
     program, best of ``repeats``) at T = 1 (AR), B (narrow) and 2B-1 (wide) query slots:
     ``layers`` (the decoder forward against the KV cache), ``projection`` (T positions onto the
@@ -247,8 +340,7 @@ def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: in
     def layers(params, cache, ids):
         model = nnx.merge(graphdef, params)
         pos = start[:, None] + jnp.arange(ids.shape[1])
-        return model(ids, pos, jnp.arange(slots)[None, None, :] <= pos[:, :, None], cache,
-                     start)
+        return model(ids, pos, jnp.arange(slots)[None, None, :] <= pos[:, :, None], cache, start)
 
     @jax.jit
     def projection(params, hidden):
@@ -273,10 +365,18 @@ def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: in
         ids = jnp.zeros((batch, width), jnp.int32)
         hidden = jnp.ones((batch, min(width, block_size), cfg.hidden_size), cfg.dtype)
         logits = projection(params, hidden)
-        rows.append(dict(shape=shape, dtype=dtype, batch=batch, slots=width,
-                         projected=hidden.shape[1], layers_ms=best(layers, params, cache, ids),
-                         projection_ms=best(projection, params, hidden),
-                         choice_ms=best(choice, logits)))
+        rows.append(
+            dict(
+                shape=shape,
+                dtype=dtype,
+                batch=batch,
+                slots=width,
+                projected=hidden.shape[1],
+                layers_ms=best(layers, params, cache, ids),
+                projection_ms=best(projection, params, hidden),
+                choice_ms=best(choice, logits),
+            )
+        )
     if profile_dir:
         for width in (1, block_size):
             with jax.profiler.trace(os.path.join(profile_dir, f"slots_{width}")):
@@ -288,12 +388,17 @@ def parts(shape: str, dtype: str, *, batch: int, block_size: int, prompt_len: in
 
 def parts_markdown(rows: Sequence[dict]) -> str:
     """`parts`' rows as a markdown table; "x AR" is each row's summed ms over the first's."""
-    lines = ["| shape | dtype | batch | query slots | projected | layers ms | projection ms | "
-             "choice ms | total ms | x AR |", "|---" * 10 + "|"]
+    lines = [
+        "| shape | dtype | batch | query slots | projected | layers ms | projection ms | "
+        "choice ms | total ms | x AR |",
+        "|---" * 10 + "|",
+    ]
     ar = rows[0]["layers_ms"] + rows[0]["projection_ms"] + rows[0]["choice_ms"]
     for r in rows:
         total = r["layers_ms"] + r["projection_ms"] + r["choice_ms"]
-        lines.append(f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['slots']} | "
-                     f"{r['projected']} | {r['layers_ms']:.1f} | {r['projection_ms']:.1f} | "
-                     f"{r['choice_ms']:.2f} | {total:.1f} | {total / ar:.2f} |")
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['slots']} | "
+            f"{r['projected']} | {r['layers_ms']:.1f} | {r['projection_ms']:.1f} | "
+            f"{r['choice_ms']:.2f} | {total:.1f} | {total / ar:.2f} |"
+        )
     return "\n".join(lines) + "\n"

@@ -50,7 +50,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from benchmarks import decode_hlo, decode_step, roofline  # noqa: E402
 from launch import memory_plan  # noqa: E402
@@ -70,31 +71,56 @@ PROGRAMS = {
 HARDWARE = {"v5e": "TPU v5e"}
 
 
-def compile_program(graphdef, params, *, program: str, block_size: int, rows: int,
-                    prompt_len: int, max_new_tokens: int, mesh, rules) -> dict:
+def compile_program(
+    graphdef,
+    params,
+    *,
+    program: str,
+    block_size: int,
+    rows: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    mesh,
+    rules,
+) -> dict:
     """Lowers and compiles ``program`` (`PROGRAMS`) for the mesh's devices; returns its cost
     (microseconds, flops and bytes per device) and memory."""
     mode, branch, _ = PROGRAMS[program]
-    decoder = decode_step.make_decoder(graphdef, block_size=block_size, mode=mode,
-                                       max_new_tokens=max_new_tokens, mesh=mesh, axis_rules=rules)
+    decoder = decode_step.make_decoder(
+        graphdef,
+        block_size=block_size,
+        mode=mode,
+        max_new_tokens=max_new_tokens,
+        mesh=mesh,
+        axis_rules=rules,
+    )
     replicated = NamedSharding(mesh, P())
     cache_sharding = NamedSharding(mesh, sharding.logical_spec(CACHE_AXES, rules))
 
     def prefilled(params):
         with decoder._on_mesh():
             return decoder._prefill(
-                nnx.merge(graphdef, params), jnp.zeros((rows, prompt_len), jnp.int32),
-                jnp.full((rows,), prompt_len, jnp.int32), jnp.ones((rows,), jnp.float32),
-                jnp.int32(1), jnp.float32(0.0), jax.random.key(0))
+                nnx.merge(graphdef, params),
+                jnp.zeros((rows, prompt_len), jnp.int32),
+                jnp.full((rows,), prompt_len, jnp.int32),
+                jnp.ones((rows,), jnp.float32),
+                jnp.int32(1),
+                jnp.float32(0.0),
+                jax.random.key(0),
+            )
 
     shapes = jax.eval_shape(prefilled, params)
     state = shapes.replace(cache=None)
-    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-                         state)
+    state = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), state
+    )
     if shapes.cache is not None:
-        state = state.replace(cache=jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_sharding),
-            shapes.cache))
+        state = state.replace(
+            cache=jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_sharding),
+                shapes.cache,
+            )
+        )
     start = time.perf_counter()
     compiled = decode.Decoder.branch.lower(decoder, params, state, branch).compile()
     cost = compiled.cost_analysis()
@@ -102,23 +128,34 @@ def compile_program(graphdef, params, *, program: str, block_size: int, rows: in
     mem = compiled.memory_analysis()
     return {
         **decode_hlo.optimal(cost.get("optimal_seconds")),
-        "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
-        "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-        "slots": state.tokens.shape[1], "compile_s": time.perf_counter() - start,
+        "flops": cost.get("flops"),
+        "bytes_accessed": cost.get("bytes accessed"),
+        "argument_bytes": mem.argument_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "slots": state.tokens.shape[1],
+        "compile_s": time.perf_counter() - start,
     }
 
 
-def estimate(*, shape: str, topology: str, tensor: int, batch_sizes: Sequence[int],
-             block_sizes: Sequence[int], prompt_len: int = 512, max_new_tokens: int = 64,
-             dtype: str = "bfloat16", emit=print) -> list[dict]:
+def estimate(
+    *,
+    shape: str,
+    topology: str,
+    tensor: int,
+    batch_sizes: Sequence[int],
+    block_sizes: Sequence[int],
+    prompt_len: int = 512,
+    max_new_tokens: int = 64,
+    dtype: str = "bfloat16",
+    emit=print,
+) -> list[dict]:
     """One row per (batch, program, B) with the compiler's and the roofline's step time."""
     devices = memory_plan.topology_devices(topology)
     mesh = sharding.make_mesh(data=-1, tensor=tensor, devices=devices)
     rules = sharding.logical_rules()
     cfg = decode_step.model_config(shape, dtype, scan_layers=False)
     graphdef, params = abstract_params(cfg, mesh, rules)
-    hw = next(h for h in roofline.ACCELERATORS
-              if h.name == HARDWARE[topology.partition(":")[0]])
+    hw = next(h for h in roofline.ACCELERATORS if h.name == HARDWARE[topology.partition(":")[0]])
     rows = []
     for batch in batch_sizes:
         for b in block_sizes:
@@ -126,16 +163,33 @@ def estimate(*, shape: str, topology: str, tensor: int, batch_sizes: Sequence[in
                 if program == "ar" and b != block_sizes[0]:
                     continue  # one AR program per batch
                 block = 1 if program == "ar" else b
-                r = compile_program(graphdef, params, program=program, block_size=block,
-                                    rows=batch, prompt_len=prompt_len,
-                                    max_new_tokens=max_new_tokens, mesh=mesh, rules=rules)
+                r = compile_program(
+                    graphdef,
+                    params,
+                    program=program,
+                    block_size=block,
+                    rows=batch,
+                    prompt_len=prompt_len,
+                    max_new_tokens=max_new_tokens,
+                    mesh=mesh,
+                    rules=rules,
+                )
                 line = roofline.step(cfg, hw, PROGRAMS[program][2], batch, block, r["slots"])
                 roof_us = line.seconds / len(devices) * 1e6
-                row = dict(shape=shape, dtype=dtype, topology=topology, tensor=tensor,
-                           batch=batch, block_size=block, program=program,
-                           roofline_us=roof_us, **r)
+                row = dict(
+                    shape=shape,
+                    dtype=dtype,
+                    topology=topology,
+                    tensor=tensor,
+                    batch=batch,
+                    block_size=block,
+                    program=program,
+                    roofline_us=roof_us,
+                    **r,
+                )
                 row["compiler_over_roofline"] = (
-                    None if r["optimal_us"] is None else r["optimal_us"] / roof_us)
+                    None if r["optimal_us"] is None else r["optimal_us"] / roof_us
+                )
                 rows.append(row)
                 emit(json.dumps(row))
     return rows
@@ -153,22 +207,37 @@ def fixed_acceptance(rows: Sequence[dict]) -> list[dict]:
         for k in range(1, b + 1):
             fills = math.ceil(b / k)
             for mode in ("sliding", "block"):
+
                 def per_forward(key):
                     if mode == "sliding":
                         return by[(batch, b, "narrow" if k == 1 else "wide")][key]
                     fill, commit = by[(batch, b, "fill")][key], by[(batch, b, "commit")][key]
-                    return None if None in (fill, commit) else (fills * fill + commit) / (
-                        fills + 1)
+                    return None if None in (fill, commit) else (fills * fill + commit) / (fills + 1)
+
                 tpf = k if mode == "sliding" else b / (fills + 1)
                 step_us, roof_us = per_forward("optimal_us"), per_forward("roofline_us")
-                conv = None if step_us is None or ar["optimal_us"] is None else (
-                    ar["optimal_us"] / step_us)
-                out.append(dict(
-                    shape=r["shape"], topology=r["topology"], batch=batch, block_size=b,
-                    mode=mode, accept=k, step_us=step_us, ar_step_us=ar["optimal_us"],
-                    step_over_ar=None if conv is None else 1 / conv, conversion=conv,
-                    tokens_per_forward=tpf, speedup=None if conv is None else tpf * conv,
-                    roofline_step_over_ar=roof_us / ar["roofline_us"]))
+                conv = (
+                    None
+                    if step_us is None or ar["optimal_us"] is None
+                    else (ar["optimal_us"] / step_us)
+                )
+                out.append(
+                    dict(
+                        shape=r["shape"],
+                        topology=r["topology"],
+                        batch=batch,
+                        block_size=b,
+                        mode=mode,
+                        accept=k,
+                        step_us=step_us,
+                        ar_step_us=ar["optimal_us"],
+                        step_over_ar=None if conv is None else 1 / conv,
+                        conversion=conv,
+                        tokens_per_forward=tpf,
+                        speedup=None if conv is None else tpf * conv,
+                        roofline_step_over_ar=roof_us / ar["roofline_us"],
+                    )
+                )
     return out
 
 
@@ -178,23 +247,32 @@ def _f(x, spec):
 
 def markdown(rows: Sequence[dict], table: Sequence[dict]) -> str:
     """The programs' table, then the fixed-acceptance table."""
-    lines = ["| shape | topology | batch | B | program | compiler us | roofline us | "
-             "compiler / roofline | GFLOP | GB accessed |", "|---" * 10 + "|"]
+    lines = [
+        "| shape | topology | batch | B | program | compiler us | roofline us | "
+        "compiler / roofline | GFLOP | GB accessed |",
+        "|---" * 10 + "|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['topology']} (tensor {r['tensor']}) | {r['batch']} | "
             f"{r['block_size']} | {r['program']} | {_f(r['optimal_us'], '.1f')} | "
             f"{r['roofline_us']:.1f} | {_f(r['compiler_over_roofline'], '.2f')} | "
             f"{_f(r['flops'] and r['flops'] / 1e9, '.1f')} | "
-            f"{_f(r['bytes_accessed'] and r['bytes_accessed'] / 1e9, '.2f')} |")
-    lines += ["", "| shape | batch | B | mode | K | step / AR (compiler) | step / AR (roofline) "
-              "| conversion | tokens/forward | speedup |", "|---" * 10 + "|"]
+            f"{_f(r['bytes_accessed'] and r['bytes_accessed'] / 1e9, '.2f')} |"
+        )
+    lines += [
+        "",
+        "| shape | batch | B | mode | K | step / AR (compiler) | step / AR (roofline) "
+        "| conversion | tokens/forward | speedup |",
+        "|---" * 10 + "|",
+    ]
     for t in table:
         lines.append(
             f"| {t['shape']} | {t['batch']} | {t['block_size']} | {t['mode']} | {t['accept']} | "
             f"{_f(t['step_over_ar'], '.3f')} | {t['roofline_step_over_ar']:.3f} | "
             f"{_f(t['conversion'], '.2f')} | {t['tokens_per_forward']:.2f} | "
-            f"{_f(t['speedup'], '.2f')}x |")
+            f"{_f(t['speedup'], '.2f')}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -210,18 +288,26 @@ def main() -> None:
     output_dir = flags.DEFINE_string("output_dir", "", "Write decode_tpu_estimate.{md,jsonl}.")
 
     def run():
-        rows = estimate(shape=shape.value, topology=topology.value, tensor=tensor.value,
-                        batch_sizes=[int(b) for b in batch_sizes.value],
-                        block_sizes=[int(b) for b in block_sizes.value],
-                        prompt_len=prompt_len.value, max_new_tokens=max_new.value,
-                        dtype=dtype.value)
+        rows = estimate(
+            shape=shape.value,
+            topology=topology.value,
+            tensor=tensor.value,
+            batch_sizes=[int(b) for b in batch_sizes.value],
+            block_sizes=[int(b) for b in block_sizes.value],
+            prompt_len=prompt_len.value,
+            max_new_tokens=max_new.value,
+            dtype=dtype.value,
+        )
         text = markdown(rows, fixed_acceptance(rows))
         print(text)
         if output_dir.value:
             decode_step.write_results(
-                output_dir.value, "decode_tpu_estimate", rows,
+                output_dir.value,
+                "decode_tpu_estimate",
+                rows,
                 f"libtpu's estimate (jax {jax.__version__}), prompts of {prompt_len.value} "
-                f"tokens, {max_new.value} new.\n\n" + text)
+                f"tokens, {max_new.value} new.\n\n" + text,
+            )
 
     cli.run(run)
 

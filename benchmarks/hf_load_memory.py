@@ -30,15 +30,26 @@ import time
 
 from absl import app, flags
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Directory of the synthetic checkpoint "
-                                  "(written if it has no config.json).", required=True)
-_MEASURE = flags.DEFINE_enum("measure", None, ["build", "host", "sharded", "sharded2"],
-                             "Internal: build the checkpoint or run one measurement in this "
-                             "process.")
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint",
+    None,
+    "Directory of the synthetic checkpoint (written if it has no config.json).",
+    required=True,
+)
+_MEASURE = flags.DEFINE_enum(
+    "measure",
+    None,
+    ["build", "host", "sharded", "sharded2"],
+    "Internal: build the checkpoint or run one measurement in this process.",
+)
 _PROCESS = flags.DEFINE_integer("process", 0, "Internal: process id for sharded2.")
 _PORT = flags.DEFINE_integer("port", 0, "Internal: coordinator port for sharded2.")
-_SHAPE = flags.DEFINE_enum("shape", "qwen0_5b", ["qwen0_5b", "tiny"],
-                           "Architecture: that of configs/<shape>.py (tiny: a smoke run).")
+_SHAPE = flags.DEFINE_enum(
+    "shape",
+    "qwen0_5b",
+    ["qwen0_5b", "tiny"],
+    "Architecture: that of configs/<shape>.py (tiny: a smoke run).",
+)
 
 _SHARD_BYTES = 400 << 20
 
@@ -108,8 +119,15 @@ def _child(mode: str, process: int = 0, port: int = 0) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     devices = 4 if mode == "sharded2" else 8
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    args = [sys.executable, __file__, f"--checkpoint={_CHECKPOINT.value}", f"--measure={mode}",
-            f"--process={process}", f"--port={port}", f"--shape={_SHAPE.value}"]
+    args = [
+        sys.executable,
+        __file__,
+        f"--checkpoint={_CHECKPOINT.value}",
+        f"--measure={mode}",
+        f"--process={process}",
+        f"--port={port}",
+        f"--shape={_SHAPE.value}",
+    ]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
 
 
@@ -145,9 +163,11 @@ def report(path: str) -> None:
         port = s.getsockname()[1]
     results += [_result(p) for p in [_child("sharded2", i, port) for i in range(2)]]
     for r in results:
-        print(f"{r['mode']:9s} process {r['process']}: peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
-              f"(VmHWM {r['vm_hwm'] / 2**30:.2f}, {r['before'] / 2**30:.2f} before loading), held {r['held'] / 2**30:.2f} GiB, "
-              f"{r['seconds']} s")
+        print(
+            f"{r['mode']:9s} process {r['process']}: peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
+            f"(VmHWM {r['vm_hwm'] / 2**30:.2f}, {r['before'] / 2**30:.2f} before loading), held {r['held'] / 2**30:.2f} GiB, "
+            f"{r['seconds']} s"
+        )
 
 
 if __name__ == "__main__":

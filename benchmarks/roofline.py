@@ -152,16 +152,16 @@ def step(m: ModelConfig, hw: Hardware, mode: str, rows: int, block: int, context
 
 def relative(m, hw, mode, rows, block, context) -> float:
     """Step time of ``mode`` over that of an AR step at the same batch and context."""
-    return step(m, hw, mode, rows, block, context).seconds / step(
-        m, hw, "ar", rows, block, context
-    ).seconds
+    return (
+        step(m, hw, mode, rows, block, context).seconds
+        / step(m, hw, "ar", rows, block, context).seconds
+    )
 
 
 RIDGE_LIMIT = 4096  # the largest batch `ridge_batch` tries
 
 
-def ridge_batch(m, hw, block: int, context: int, tolerance: float,
-                limit: int = RIDGE_LIMIT) -> int:
+def ridge_batch(m, hw, block: int, context: int, tolerance: float, limit: int = RIDGE_LIMIT) -> int:
     """The largest batch R (<= ``limit``) up to which a 2B-1 window step costs at most
     (1 + ``tolerance``) AR steps; 0 if even R = 1 costs more."""
     rows = 0
@@ -233,8 +233,17 @@ def _table(title: str, header: list[str], rows: list[list], markdown: bool) -> N
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def report(hardware, *, batches, block: int, context: int, ridge_blocks, tolerance: float,
-           tokens_per_forward: float, markdown: bool) -> None:
+def report(
+    hardware,
+    *,
+    batches,
+    block: int,
+    context: int,
+    ridge_blocks,
+    tolerance: float,
+    tokens_per_forward: float,
+    markdown: bool,
+) -> None:
     """Prints every table of docs/decoding.md."""
     models = {name: model_config(name) for name in MODELS}
     table = lambda title, header, rows: _table(title, header, rows, markdown)
@@ -243,29 +252,73 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
     table(
         "Hardware: peak FLOP/s, memory bandwidth and capacity per chip",
         ["hardware", "peak TFLOP/s", "bandwidth GB/s", "memory GB", "ridge FLOP/byte", "values"],
-        [[hw.name, _num(hw.flops / 1e12), _num(hw.bandwidth / GB),
-          "-" if hw.memory is None else _num(hw.memory / GB), _num(hw.ridge),
-          {2: "bf16", 4: "fp32"}[hw.value_bytes]] for hw in hardware],
+        [
+            [
+                hw.name,
+                _num(hw.flops / 1e12),
+                _num(hw.bandwidth / GB),
+                "-" if hw.memory is None else _num(hw.memory / GB),
+                _num(hw.ridge),
+                {2: "bf16", 4: "fp32"}[hw.value_bytes],
+            ]
+            for hw in hardware
+        ],
     )
     table(
         "Models: parameter counts from the config shapes; GB in bf16",
-        ["model", "L", "D", "I", "N", "K", "H", "V", "tied", "non-embedding", "V x D", "total",
-         "weights read/step GB", "resident GB bf16 (fp32)", "KV KiB/token"],
-        [[name, m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads,
-          m.head_dim, m.vocab_size, m.tie_word_embeddings, f"{non_embedding_params(m):,}",
-          f"{m.vocab_size * m.hidden_size:,}", f"{total_params(m):,}",
-          _num(2 * read_params(m) / GB),
-          f"{_num(2 * total_params(m) / GB)} ({_num(4 * total_params(m) / GB)})",
-          _num(kv_bytes_per_token(m, 2) / 1024)]
-         for name, m in models.items()],
+        [
+            "model",
+            "L",
+            "D",
+            "I",
+            "N",
+            "K",
+            "H",
+            "V",
+            "tied",
+            "non-embedding",
+            "V x D",
+            "total",
+            "weights read/step GB",
+            "resident GB bf16 (fp32)",
+            "KV KiB/token",
+        ],
+        [
+            [
+                name,
+                m.num_layers,
+                m.hidden_size,
+                m.intermediate_size,
+                m.num_heads,
+                m.num_kv_heads,
+                m.head_dim,
+                m.vocab_size,
+                m.tie_word_embeddings,
+                f"{non_embedding_params(m):,}",
+                f"{m.vocab_size * m.hidden_size:,}",
+                f"{total_params(m):,}",
+                _num(2 * read_params(m) / GB),
+                f"{_num(2 * total_params(m) / GB)} ({_num(4 * total_params(m) / GB)})",
+                _num(kv_bytes_per_token(m, 2) / 1024),
+            ]
+            for name, m in models.items()
+        ],
     )
     rows = []
     for name, m in models.items():
         for hw in (h for h in hardware if h.memory is not None):
             free = hw.memory - hw.value_bytes * total_params(m)
             tokens = max(free, 0) // kv_bytes_per_token(m, hw.value_bytes)
-            rows.append([name, hw.name, _num(hw.value_bytes * total_params(m) / GB),
-                         _num(free / GB), f"{tokens:,.0f}", f"{tokens // context:,.0f}"])
+            rows.append(
+                [
+                    name,
+                    hw.name,
+                    _num(hw.value_bytes * total_params(m) / GB),
+                    _num(free / GB),
+                    f"{tokens:,.0f}",
+                    f"{tokens // context:,.0f}",
+                ]
+            )
     table(
         "Memory: what is left for the KV cache (no activations, logits or runtime reserve)",
         ["model", "hardware", "weights GB", "left GB", "KV tokens", f"rows at context {context}"],
@@ -276,10 +329,18 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
             f"{name}: GB read / GFLOP per step (bf16; fp32 doubles the GB), B={block}, "
             f"context {context}",
             ["mode", "slots", "projections", *[f"R={r}" for r in batches]],
-            [[MODES[mode], *window(mode, block, context)[:2],
-              *[f"{step(m, bf16, mode, r, block, context).bytes / GB:.3g} / "
-                f"{_num(step(m, bf16, mode, r, block, context).flops / GB)}" for r in batches]]
-             for mode in MODES],
+            [
+                [
+                    MODES[mode],
+                    *window(mode, block, context)[:2],
+                    *[
+                        f"{step(m, bf16, mode, r, block, context).bytes / GB:.3g} / "
+                        f"{_num(step(m, bf16, mode, r, block, context).flops / GB)}"
+                        for r in batches
+                    ],
+                ]
+                for mode in MODES
+            ],
         )
     for name, m in models.items():
         for hw in hardware:
@@ -289,8 +350,10 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
                 for r in batches:
                     s = step(m, hw, mode, r, block, context)
                     kind = "C" if s.compute_bound else "M"
-                    cells.append(f"{_num(s.seconds * 1e3)} {kind} "
-                                 f"x{relative(m, hw, mode, r, block, context):.2f}")
+                    cells.append(
+                        f"{_num(s.seconds * 1e3)} {kind} "
+                        f"x{relative(m, hw, mode, r, block, context):.2f}"
+                    )
                 rows.append([MODES[mode], *cells])
             table(
                 f"{name} on {hw.name}: step ms, M(emory)/C(ompute)-bound, x AR step "
@@ -298,6 +361,7 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
                 ["mode", *[f"R={r}" for r in batches]],
                 rows,
             )
+
     def ridge(m, hw, b) -> str:
         rows = ridge_batch(m, hw, b, context, tolerance)
         return f">={rows}" if rows == RIDGE_LIMIT else str(rows)
@@ -306,19 +370,33 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
         f"Ridge: the largest batch R at which a 2B-1 window costs <= {1 + tolerance:g} AR steps "
         f"(context {context})",
         ["model", "hardware", *[f"B={b} ({2 * b - 1} slots)" for b in ridge_blocks]],
-        [[name, hw.name, *[ridge(m, hw, b) for b in ridge_blocks]]
-         for name, m in models.items() for hw in hardware],
+        [
+            [name, hw.name, *[ridge(m, hw, b) for b in ridge_blocks]]
+            for name, m in models.items()
+            for hw in hardware
+        ],
     )
-    rows = [[name, hw.name, *[f"{s:.2f} / {best:.2f}-{worst:.2f}" for s, best, worst in
-                              (speedups(m, hw, r, block, context, tokens_per_forward)
-                               for r in batches)]]
-            for name, m in models.items() for hw in hardware]
+    rows = [
+        [
+            name,
+            hw.name,
+            *[
+                f"{s:.2f} / {best:.2f}-{worst:.2f}"
+                for s, best, worst in (
+                    speedups(m, hw, r, block, context, tokens_per_forward) for r in batches
+                )
+            ],
+        ]
+        for name, m in models.items()
+        for hw in hardware
+    ]
     table(
         f"Ideal speedup over AR at t = {tokens_per_forward} tokens/forward, B={block}: "
         f"sliding / block (no wait - worst wait)",
         ["model", "hardware", *[f"R={r}" for r in batches]],
         rows,
     )
+
     def left_out(m, mode, rows) -> str:
         slots, projections, cached = window(mode, block, context)
         keys = context if cached else slots
@@ -330,10 +408,18 @@ def report(hardware, *, batches, block: int, context: int, ridge_blocks, toleran
         f"Left out of the bound: fp32 logits (R x projections x V) + attention scores "
         f"(L x R x N x slots x keys) written per step, MB; B={block}, context {context}",
         ["model", "mode", "weights read MB (bf16)", *[f"R={r}" for r in batches]],
-        [[name, MODES[mode], _num(2 * read_params(m) / 1e6),
-          *[left_out(m, mode, r) for r in batches]]
-         for name, m in models.items() for mode in ("ar", "sliding")],
+        [
+            [
+                name,
+                MODES[mode],
+                _num(2 * read_params(m) / 1e6),
+                *[left_out(m, mode, r) for r in batches],
+            ]
+            for name, m in models.items()
+            for mode in ("ar", "sliding")
+        ],
     )
+
 
 def main() -> None:
     batches = flags.DEFINE_list("batches", ["1", "4", "16", "64"], "Batch sizes R (rows).")
@@ -352,8 +438,10 @@ def main() -> None:
         gflops, gbps = cpu_gflops.value, cpu_gbps.value
         if measure.value:
             figures = measure_cpu()
-            print("Measured on this CPU (best of 5; a shared machine, so noisy): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
+            print(
+                "Measured on this CPU (best of 5; a shared machine, so noisy): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            )
             gflops = gflops or round(figures["matmul_gflops"])
             gbps = gbps or round(max(figures["gemv_gbps"], figures["sum_gbps"]), 1)
             print(f"Reproduce the tables below with --cpu_gflops={gflops:g} --cpu_gbps={gbps:g}")

@@ -42,8 +42,7 @@ import time
 
 import jax
 import psutil
-from absl import flags
-from absl import logging
+from absl import flags, logging
 
 from mars_jax import cli, evaluate, train
 
@@ -123,21 +122,23 @@ def soak(cfg, workdir: str, *, steps: int, eval_every: int, output: str = "") ->
             eval_s = time.perf_counter() - start
             gc.collect()
             mine = [c for c in compiles if c[0] == len(segments)]
-            segments.append({
-                "step": end,
-                "loss": round(record["loss"], 4),
-                "ar_nll": round(report["ar_nll"], 4),
-                "train_s": round(train_s, 1),
-                "eval_s": round(eval_s, 1),
-                "train_compiles": sum(c[1] == "train" for c in mine),
-                "train_compiles_after_first_step": sum(
-                    c[1] == "train" and c[2] is not None for c in mine
-                ),
-                "eval_compiles": sum(c[1] == "eval" for c in mine),
-                "rss_first_step_mib": progress.first_rss,
-                "rss_last_step_mib": progress.last_rss,
-                "rss_mib": round(process.memory_info().rss / 2**20, 1),
-            })
+            segments.append(
+                {
+                    "step": end,
+                    "loss": round(record["loss"], 4),
+                    "ar_nll": round(report["ar_nll"], 4),
+                    "train_s": round(train_s, 1),
+                    "eval_s": round(eval_s, 1),
+                    "train_compiles": sum(c[1] == "train" for c in mine),
+                    "train_compiles_after_first_step": sum(
+                        c[1] == "train" and c[2] is not None for c in mine
+                    ),
+                    "eval_compiles": sum(c[1] == "eval" for c in mine),
+                    "rss_first_step_mib": progress.first_rss,
+                    "rss_last_step_mib": progress.last_rss,
+                    "rss_mib": round(process.memory_info().rss / 2**20, 1),
+                }
+            )
             summary = _summary(steps, eval_every, segments, compiles)
             print("soak:", json.dumps(segments[-1]), flush=True)
             if output:
@@ -188,7 +189,10 @@ def main() -> None:
 
     def run():
         summary = soak(
-            config.value, workdir.value, steps=steps.value, eval_every=eval_every.value,
+            config.value,
+            workdir.value,
+            steps=steps.value,
+            eval_every=eval_every.value,
             output=output.value,
         )
         print(json.dumps(summary, indent=1))

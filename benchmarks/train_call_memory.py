@@ -42,8 +42,10 @@ def main(argv) -> None:
         rss.append(process.memory_info().rss / 2**20)
         print(f"call {call + 1}: RSS {rss[-1]:.0f} MiB", flush=True)
     if len(rss) > 1:  # --calls=1: no growth to report (rss[1] does not exist)
-        print(f"growth from call 1 to call {len(rss)}: {100 * (rss[-1] / rss[0] - 1):.1f}%; "
-              f"from call 2: {100 * (rss[-1] / rss[1] - 1):.1f}%")
+        print(
+            f"growth from call 1 to call {len(rss)}: {100 * (rss[-1] / rss[0] - 1):.1f}%; "
+            f"from call 2: {100 * (rss[-1] / rss[1] - 1):.1f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ def step_flops(
     width = m.num_heads * m.head_dim
     kv_width = m.num_kv_heads * m.head_dim
     weights = m.num_layers * (
-        m.hidden_size * width + 2 * m.hidden_size * kv_width + width * m.hidden_size
+        m.hidden_size * width
+        + 2 * m.hidden_size * kv_width
+        + width * m.hidden_size
         + 3 * m.hidden_size * m.intermediate_size
     )
     tokens, streams = (2 * length, 2) if objective == "mars" else (length, 1)
@@ -95,7 +97,7 @@ def synthetic_batch(rows: int, length: int, label_fraction: float, seed: int = 0
     ids = rng.integers(0, 151643, size=(rows, length), dtype=np.int32)
     labels = np.full_like(ids, IGNORE_INDEX)
     answer = max(1, round(label_fraction * length))
-    labels[:, length - answer:] = ids[:, length - answer:]
+    labels[:, length - answer :] = ids[:, length - answer :]
     return {"input_ids": ids, "labels": labels}
 
 
@@ -107,8 +109,10 @@ def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float,
     c.objective.name = objective
     c.init_from = ""
     model_cfg = ModelConfig(**c.model)
-    examples = [Example(ids, labels, r)
-                for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))]
+    examples = [
+        Example(ids, labels, r)
+        for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))
+    ]
     obj = train_step.objective_settings(c, MASK_ID, examples)
     mesh, rules = sharding.mesh_from_config(c.mesh)
     graphdef, abstract = abstract_params(model_cfg, mesh, rules)
@@ -127,8 +131,9 @@ def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float,
     return run_once, obj.max_label_tokens
 
 
-def benchmark(cfg, *, steps: int, label_fraction: float, peak_flops: float | None,
-              matmul_size: int) -> list[dict]:
+def benchmark(
+    cfg, *, steps: int, label_fraction: float, peak_flops: float | None, matmul_size: int
+) -> list[dict]:
     """Prints the side-by-side table (module docstring) ending with the ratio line, and returns
     the two rows (objective, step_s, tokens_per_s, tflop_per_step, mfu)."""
     rows, length = cfg.train.batch_size, cfg.data.max_length
@@ -159,8 +164,13 @@ def benchmark(cfg, *, steps: int, label_fraction: float, peak_flops: float | Non
     out = []
     for objective in objectives:
         step_s = statistics.median(times[objective])
-        flops = step_flops(model_cfg, rows=rows, length=length, objective=objective,
-                           max_label_tokens=runners[objective][1])
+        flops = step_flops(
+            model_cfg,
+            rows=rows,
+            length=length,
+            objective=objective,
+            max_label_tokens=runners[objective][1],
+        )
         row = {
             "objective": objective,
             "step_s": step_s,

@@ -15,9 +15,18 @@ def get_config(stage: str = "ar"):
     c.data.train_path = "/path/to/sft.jsonl"
     # The architecture of Qwen2.5-0.5B (used as is without a checkpoint, e.g. by
     # launch/memory_plan.py; init_from's config.json wins where it is set).
-    c.model.update(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                   num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6, rms_norm_eps=1e-6,
-                   tie_word_embeddings=True)
+    c.model.update(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.data.source = "messages"
@@ -27,15 +36,24 @@ def get_config(stage: str = "ar"):
     c.objective.block_size = 8
     c.objective.max_label_tokens = 512
     c.objective.ce_chunk_size = 64
-    c.train.update(batch_size=384, grad_accum_steps=1, num_epochs=5.0, num_steps=0,
-                   learning_rate=5e-6, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
-                   log_every=10, save_every=200, max_to_keep=3)
+    c.train.update(
+        batch_size=384,
+        grad_accum_steps=1,
+        num_epochs=5.0,
+        num_steps=0,
+        learning_rate=5e-6,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        log_every=10,
+        save_every=200,
+        max_to_keep=3,
+    )
     # save_every bounds the work lost to a crash (SIGTERM / Ctrl-C save the step reached): a
     # step is at most 384 x 512 tokens, 6 x 0.49e9 x 196,608 = 5.8e14 FLOPs for AR and about 2x
     # for MARS (README: step time ratio 1.8-2.0), i.e. ~1-2 s at 40% of a v5e-8's peak (an
     # estimate, not a measurement): 200 steps are ~3-7 minutes. A save is ~6 GB (fp32
     # parameters + two Adam moments), written asynchronously.
     c.mesh.update(data=-1, fsdp=1, tensor=1)
-    c.eval.update(num_examples=1319, batch_size=64, max_new_tokens=512,
-                  nll_examples=256)
+    c.eval.update(num_examples=1319, batch_size=64, max_new_tokens=512, nll_examples=256)
     return c

@@ -23,7 +23,11 @@ def get_config(stage: str = "ar"):
     c.data.num_synthetic_train = 8000
     c.data.max_length = 160  # the longest rendered problem is 160 tokens with B = 16 padding
     c.model.update(
-        hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
         head_dim=32,
     )
     c.train.batch_size = 32

@@ -47,6 +47,7 @@ def run_configs(exp) -> dict:
     filled in by `run_each`) with learning rate ``exp.stage2_learning_rate`` (0: stage 1's). AR
     runs train with block_size 1 and are evaluated with one-token (AR) decoding only.
     """
+
     def make(
         objective, steps, *, stage2=True, block_size=1, ar_weight=1.0, seed=None, thresholds=(1.0,)
     ):
@@ -54,7 +55,9 @@ def run_configs(exp) -> dict:
         cfg.objective.name = objective
         cfg.objective.block_size = block_size
         cfg.objective.ar_weight = ar_weight
-        cfg.objective.noisy_weighting = "inverse_t" if objective == "mars" and not ar_weight else "none"
+        cfg.objective.noisy_weighting = (
+            "inverse_t" if objective == "mars" and not ar_weight else "none"
+        )
         cfg.train.num_steps = steps
         if stage2:
             cfg.train.learning_rate = exp.stage2_learning_rate or exp.run.train.learning_rate
@@ -75,8 +78,12 @@ def run_configs(exp) -> dict:
     first = f"mars_b{exp.block_sizes[0]}_ar{exp.ar_weights[0]:g}"
     for seed in exp.extra_seeds:
         runs[f"{first}_seed{seed}"] = make(
-            "mars", exp.stage2_steps, block_size=exp.block_sizes[0], ar_weight=exp.ar_weights[0],
-            seed=seed, thresholds=exp.thresholds,
+            "mars",
+            exp.stage2_steps,
+            block_size=exp.block_sizes[0],
+            ar_weight=exp.ar_weights[0],
+            seed=seed,
+            thresholds=exp.thresholds,
         )
     return runs
 
@@ -93,7 +100,9 @@ def _finished_eval(workdir: str, cfg) -> dict | None:
     e = cfg.eval
     done = report["step"] == cfg.train.num_steps
     same = [r["threshold"] for r in report["results"]] == [float(t) for t in e.thresholds] and (
-        report.get("num_examples"), report.get("cache_mode"), report.get("rule")
+        report.get("num_examples"),
+        report.get("cache_mode"),
+        report.get("rule"),
     ) == (e.num_examples, e.cache_mode, e.rule)
     return report if done and same else None
 
@@ -122,11 +131,14 @@ def run_each(exp, root: str):
         if report is None:
             logging.info("claims: evaluating %s", name)
             report = evaluate.evaluate(cfg, workdir)
-        yield name, {
-            "report": report,
-            "train_s": trained - start,
-            "eval_s": time.perf_counter() - trained,
-        }
+        yield (
+            name,
+            {
+                "report": report,
+                "train_s": trained - start,
+                "eval_s": time.perf_counter() - trained,
+            },
+        )
 
 
 def _at(report: dict, threshold: float) -> dict | None:
@@ -149,11 +161,14 @@ def tables(exp, runs: dict) -> str:
         r = runs[name]["report"]
         lines.append(f"| {name} | {r['step']} | {one(name)['accuracy']:.3f} | {r['ar_nll']:.4f} |")
     lines += _threshold_table(
-        exp, runs,
+        exp,
+        runs,
         "**(b) Speed and quality over thresholds** (tokens per forward / accuracy / agreement "
         "with threshold 1.0)",
-        lambda r: f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f} / "
-                  f"{r['agreement_with_ar']:.2f}")
+        lambda r: (
+            f"{r['tokens_per_forward']:.2f} / {r['accuracy']:.3f} / {r['agreement_with_ar']:.2f}"
+        ),
+    )
     lines += _wall_clock(exp, runs)
     t = exp.headline_threshold
     lines += [
@@ -176,8 +191,13 @@ def tables(exp, runs: dict) -> str:
 def _threshold_table(exp, runs: dict, title: str, cell) -> list[str]:
     """Markdown lines of a table with a row per MARS run and a column per threshold, each cell
     ``cell(result row of that threshold)``."""
-    lines = ["", title, "", "| run | " + " | ".join(f"{t:g}" for t in exp.thresholds) + " |",
-             "|---|" + "---|" * len(exp.thresholds)]
+    lines = [
+        "",
+        title,
+        "",
+        "| run | " + " | ".join(f"{t:g}" for t in exp.thresholds) + " |",
+        "|---|" + "---|" * len(exp.thresholds),
+    ]
     for name in (n for n in runs if n.startswith("mars")):
         cells = [cell(_at(runs[name]["report"], float(t))) for t in exp.thresholds]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -197,10 +217,13 @@ def _wall_clock(exp, runs: dict) -> list[str]:
         return f"{speedup:.2f}x / {speedup / r['tokens_per_forward']:.2f}"
 
     return _threshold_table(
-        exp, runs,
+        exp,
+        runs,
         "**(b) Wall clock** (speedup over the AR control's "
         f"{ar['tokens_per_s']:.1f} tokens/s at threshold 1.0 / conversion = speedup / tokens "
-        "per forward)", cell)
+        "per forward)",
+        cell,
+    )
 
 
 def results_dir(workdir: str, results: str = "") -> str:
@@ -253,7 +276,8 @@ def main() -> None:
     config = cli.config_flag("experiments/claims_config.py:synthetic", "Experiment config.")
     workdir = cli.workdir_flag("Directory of the runs (one subdirectory per run).")
     results = flags.DEFINE_string(
-        "results", "",
+        "results",
+        "",
         "Where the tables, JSON report and plot go; default WORKDIR/results. The tracked "
         "experiments/results/ keeps committed results: pass it explicitly to update them.",
     )

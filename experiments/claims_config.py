@@ -1,13 +1,13 @@
 """Experiments of `experiments/claims.py`: ``--config=experiments/claims_config.py:<name>``.
 
-  synthetic      configs/synthetic.py (trimmed vocabulary, 4 x 128 model) on the built-in
-                 arithmetic problems: CPU minutes per run
-  synthetic_gpu  the same data with a 12 x 512 model (bf16 compute), 3x the steps and no extra
-                 seed (an accelerator)
-  synthetic_stage2_lr
-                 synthetic's stage 1 (run it first) continued at a quarter of its learning
-                 rate for 300 steps: only the AR control and MARS B = 4
-  smoke          two steps per run, for checking the script end to end
+synthetic      configs/synthetic.py (trimmed vocabulary, 4 x 128 model) on the built-in
+               arithmetic problems: CPU minutes per run
+synthetic_gpu  the same data with a 12 x 512 model (bf16 compute), 3x the steps and no extra
+               seed (an accelerator)
+synthetic_stage2_lr
+               synthetic's stage 1 (run it first) continued at a quarter of its learning
+               rate for 300 steps: only the AR control and MARS B = 4
+smoke          two steps per run, for checking the script end to end
 """
 
 import ml_collections
@@ -18,26 +18,32 @@ from configs import synthetic
 def get_config(name: str = "synthetic") -> ml_collections.ConfigDict:
     """The experiment ``name`` (see the module docstring); raises ValueError for another."""
     run = synthetic.get_config("ar")
-    exp = ml_collections.ConfigDict({
-        "name": name,
-        "description": "",
-        "run": run,
-        "stage1_steps": run.train.num_steps,  # configs/synthetic.py: 1,000
-        "stage2_steps": 100,
-        "stage2_learning_rate": 0.0,  # peak learning rate of the runs after stage 1; 0: stage 1's
-        "stage1_workdir": "",  # "": <workdir>/stage1; else an existing stage-1 run to start from
-        "block_sizes": (4, 8, 16),
-        "ar_weights": (1.0, 0.0),
-        "extra_seeds": (1,),  # the first MARS run again with these seeds
-        "thresholds": (1.0, 0.95, 0.9, 0.8, 0.7, 0.5),
-        "headline_threshold": 0.9,
-    })
+    exp = ml_collections.ConfigDict(
+        {
+            "name": name,
+            "description": "",
+            "run": run,
+            "stage1_steps": run.train.num_steps,  # configs/synthetic.py: 1,000
+            "stage2_steps": 100,
+            "stage2_learning_rate": 0.0,  # peak learning rate of the runs after stage 1; 0: stage 1's
+            "stage1_workdir": "",  # "": <workdir>/stage1; else an existing stage-1 run to start from
+            "block_sizes": (4, 8, 16),
+            "ar_weights": (1.0, 0.0),
+            "extra_seeds": (1,),  # the first MARS run again with these seeds
+            "thresholds": (1.0, 0.95, 0.9, 0.8, 0.7, 0.5),
+            "headline_threshold": 0.9,
+        }
+    )
     if name == "synthetic":
         exp.description = "built-in arithmetic problems, 4 x 128 model, trimmed vocabulary"
     elif name == "synthetic_gpu":
         exp.description = "built-in arithmetic problems, 12 x 512 model, trimmed vocabulary"
         run.model.update(
-            hidden_size=512, intermediate_size=1536, num_layers=12, num_heads=8, num_kv_heads=2,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_layers=12,
+            num_heads=8,
+            num_kv_heads=2,
             head_dim=64,
         )
         run.model.dtype = "bfloat16"  # parameters and optimizer state stay float32

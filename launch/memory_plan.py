@@ -176,7 +176,10 @@ def plan_row(cfg, topology: str, devices: list[jax.Device]) -> dict:
         code_bytes=mem.generated_code_size_in_bytes,
     )
     row["peak_bytes"] = (
-        row["argument_bytes"] + row["output_bytes"] - row["alias_bytes"] + row["temp_bytes"]
+        row["argument_bytes"]
+        + row["output_bytes"]
+        - row["alias_bytes"]
+        + row["temp_bytes"]
         + row["code_bytes"]
     )
     row["fits"] = row["peak_bytes"] <= row["hbm_bytes"]
@@ -184,8 +187,16 @@ def plan_row(cfg, topology: str, devices: list[jax.Device]) -> dict:
     return row
 
 
-def sweep(cfg, *, topologies_: list[str], objectives: list[str], grad_accum_steps: list[int],
-          remats: list[str], attentions: list[str], emit) -> list[dict]:
+def sweep(
+    cfg,
+    *,
+    topologies_: list[str],
+    objectives: list[str],
+    grad_accum_steps: list[int],
+    remats: list[str],
+    attentions: list[str],
+    emit,
+) -> list[dict]:
     """Calls ``emit(row)`` for every combination, compiled one after another in this process,
     and returns the rows. ``cfg`` is not modified. Raises ValueError and RuntimeError as
     `topology_devices`, ValueError as `plan_row`."""
@@ -242,7 +253,8 @@ def main() -> None:
     )
     objective = flags.DEFINE_list("objective", None, "Objectives (default: the config's).")
     accum = flags.DEFINE_list(
-        "grad_accum_steps", None,
+        "grad_accum_steps",
+        None,
         "Gradient accumulation steps (micro batch = train.batch_size / steps; default: the "
         "config's).",
     )

@@ -104,8 +104,17 @@ def training_jobs(config: str, workdir: str, stage: str, overrides: list[str]) -
     return [job("ar", ar_dir, []), job("mars", mars_dir, [f"--config.init_from={ar_dir}"])]
 
 
-def job_spec(*, name: str, config: str, workdir: str, stage: str, overrides: list[str],
-             accel: dict, num_hosts: int, base_image: str) -> dict:
+def job_spec(
+    *,
+    name: str,
+    config: str,
+    workdir: str,
+    stage: str,
+    overrides: list[str],
+    accel: dict,
+    num_hosts: int,
+    base_image: str,
+) -> dict:
     """The job spec printed by ``--dry_run`` and launched otherwise (see the module docstring).
 
     Raises ValueError for ``num_hosts < 1`` and as `training_jobs`."""
@@ -194,19 +203,21 @@ async def launch(spec: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         project = source_tree(tmp)
         async with xm_local.create_experiment(experiment_title=spec["name"]) as experiment:
-            [executable] = experiment.package([
-                xm.python_container(
-                    executor_spec=xm_local.Vertex.Spec(),
-                    path=project,
-                    base_image=spec["image"]["base_image"],
-                    docker_instructions=docker_instructions(spec, os.path.basename(project)),
-                    entrypoint=xm.ModuleName("mars_jax.train"),
-                    env_vars=spec["env"],
-                )
-            ])
+            [executable] = experiment.package(
+                [
+                    xm.python_container(
+                        executor_spec=xm_local.Vertex.Spec(),
+                        path=project,
+                        base_image=spec["image"]["base_image"],
+                        docker_instructions=docker_instructions(spec, os.path.basename(project)),
+                        entrypoint=xm.ModuleName("mars_jax.train"),
+                        env_vars=spec["env"],
+                    )
+                ]
+            )
             for job in spec["jobs"]:
                 # argv[:3] is `python -m mars_jax.train`, the container's entrypoint.
-                args = job["argv"][len(TRAIN):]
+                args = job["argv"][len(TRAIN) :]
                 executor = xm_local.Vertex(requirements=requirements)
                 work_unit = await experiment.add(xm.Job(executable, executor, args=args))
                 await work_unit.wait_until_complete()
@@ -218,11 +229,15 @@ def main() -> None:
         import xmanager.xm_flags  # noqa: F401
     except ImportError:
         pass
-    config = flags.DEFINE_string("config", None, "Config file, e.g. configs/qwen7b.py.",
-                                 required=True)
+    config = flags.DEFINE_string(
+        "config", None, "Config file, e.g. configs/qwen7b.py.", required=True
+    )
     workdir = flags.DEFINE_string(
-        "workdir", None, "Run directory on storage every host sees (RUN_DIR/{ar,mars} with "
-        "--stage=both).", required=True)
+        "workdir",
+        None,
+        "Run directory on storage every host sees (RUN_DIR/{ar,mars} with --stage=both).",
+        required=True,
+    )
     stage = flags.DEFINE_enum("stage", "both", STAGES, "Stage(s) to train.")
     tpu = flags.DEFINE_string("tpu", None, f"TPU generation: {', '.join(TPU_GENERATIONS)}.")
     topology = flags.DEFINE_string("topology", None, "TPU slice topology, e.g. 4x4.")
@@ -237,8 +252,12 @@ def main() -> None:
         try:
             spec = job_spec(
                 name=name.value or f"mars-{os.path.splitext(os.path.basename(config.value))[0]}",
-                config=config.value, workdir=workdir.value, stage=stage.value,
-                overrides=argv[1:], num_hosts=num_hosts.value, base_image=base_image.value,
+                config=config.value,
+                workdir=workdir.value,
+                stage=stage.value,
+                overrides=argv[1:],
+                num_hosts=num_hosts.value,
+                base_image=base_image.value,
                 accel=accelerator(tpu.value, topology.value, gpu.value, gpus_per_host.value),
             )
         except ValueError as e:

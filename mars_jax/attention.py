@@ -128,15 +128,15 @@ def _splash_kernel(mask_bytes: bytes, shape: tuple[int, int], group: int, interp
     """The splash MQA kernel for one KV head and its ``group`` query heads (cached by mask)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_mask as mask_lib,
     )
 
     pattern = np.frombuffer(mask_bytes, dtype=bool).reshape(shape)
     heads = mask_lib.MultiHeadMask([mask_lib.NumpyMask(pattern)] * group)
     with jax.ensure_compile_time_eval():  # concrete mask tables, safe to cache across traces
-        return kernel_lib.make_splash_mqa(
-            heads, head_shards=1, q_seq_shards=1, interpret=interpret
-        )
+        return kernel_lib.make_splash_mqa(heads, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _splash(q, k, v, mask, *, interpret: bool):
@@ -159,8 +159,11 @@ def _splash(q, k, v, mask, *, interpret: bool):
     batch, heads, kv_heads = rules.get("batch"), rules.get("heads"), rules.get("kv_heads")
     return jax.shard_map(
         local,
-        in_specs=(P(batch, None, heads, None), P(batch, None, kv_heads, None),
-                  P(batch, None, kv_heads, None)),
+        in_specs=(
+            P(batch, None, heads, None),
+            P(batch, None, kv_heads, None),
+            P(batch, None, kv_heads, None),
+        ),
         out_specs=P(batch, None, heads, None),
         check_vma=False,
     )(q, k, v)

@@ -11,7 +11,6 @@ import jinja2
 import numpy as np
 from absl import logging
 
-from mars_jax.errors import InputError
 from mars_jax.chat import (
     SkipRow,
     assemble,
@@ -21,9 +20,11 @@ from mars_jax.chat import (
     row_tools,
     rows_to_messages,
 )
+from mars_jax.errors import InputError
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import SYNTHETIC, load_rows
 from mars_jax.tokenizer import ENDOFTEXT_ID
+
 
 class Example(NamedTuple):
     """One tokenized conversation: input_ids and labels int32[n], and ``row``, the 0-based index

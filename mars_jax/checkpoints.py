@@ -108,7 +108,11 @@ class Checkpoints:
     """
 
     def __init__(
-        self, workdir: str, *, max_to_keep: int | None = None, keep_every: int = 0,
+        self,
+        workdir: str,
+        *,
+        max_to_keep: int | None = None,
+        keep_every: int = 0,
         writer: bool = False,
     ):
         self.workdir = workdir
@@ -135,8 +139,9 @@ class Checkpoints:
             return
         base = str(self._manager.directory)
         pending = glob.glob(os.path.join(base, f"{self._saving}.orbax-checkpoint-tmp*"))
-        write_checksums(max(pending, key=os.path.getmtime) if pending
-                        else os.path.join(base, str(self._saving)))
+        write_checksums(
+            max(pending, key=os.path.getmtime) if pending else os.path.join(base, str(self._saving))
+        )
 
     def verify(self, step: int, items: tuple[str, ...] = (_PARAMS, _OPT_STATE, _DATA)) -> None:
         """Checks the files of ``items`` of committed ``step`` against its ``sha256.json``: the
@@ -152,8 +157,10 @@ class Checkpoints:
                 sums = json.load(f)
         except FileNotFoundError as e:
             raise CheckpointError(
-                step, manifest, "missing: the step cannot be verified (a damaged step, or one "
-                "saved by a mars-jax without checksums)"
+                step,
+                manifest,
+                "missing: the step cannot be verified (a damaged step, or one "
+                "saved by a mars-jax without checksums)",
             ) from e
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(step, manifest, f"unreadable checksums ({e})") from e
@@ -168,8 +175,9 @@ class Checkpoints:
                 for name in sorted(files):
                     rel = os.path.relpath(os.path.join(root, name), step_dir)
                     if name != "commit_success.txt" and rel not in sums:
-                        raise CheckpointError(step, os.path.join(step_dir, rel),
-                                              f"not in {CHECKSUMS}")
+                        raise CheckpointError(
+                            step, os.path.join(step_dir, rel), f"not in {CHECKSUMS}"
+                        )
         first, reason = len(names), "failed its check on another process"
         for i in range(jax.process_index(), len(names), jax.process_count()):
             reason = _file_problem(os.path.join(step_dir, names[i]), *sums[names[i]])

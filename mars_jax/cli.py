@@ -33,7 +33,9 @@ from mars_jax import platforms
 from mars_jax.errors import UserError
 
 
-def config_flag(default: str = "configs/tiny.py", help: str = "Run config file.") -> flags.FlagHolder:
+def config_flag(
+    default: str = "configs/tiny.py", help: str = "Run config file."
+) -> flags.FlagHolder:
     """Defines ``--config`` (an ml_collections config file, ``path[:stage]``, with
     ``--config.<key>=<value>`` overrides) and ``--show_config`` (see `run`). An override of an
     unknown key exits with one line naming the key and the nearest valid one (ml_collections
@@ -127,7 +129,7 @@ def _unknown_override(argv: list[str], default: str) -> str | None:
         if name == "config" and "=" in arg:
             path = arg.split("=", 1)[1]
         elif name.startswith("config.") and arg.startswith("-"):
-            overrides.append(name[len("config."):])
+            overrides.append(name[len("config.") :])
     try:
         cfg = _config_flags_impl.ConfigFileFlagParser("config", lock_config=False).parse(path)
     except Exception:  # noqa: BLE001 - the original error is re-raised instead

@@ -45,119 +45,123 @@ def defaults(stage: str = "ar") -> ml_collections.ConfigDict:
 
     Every key can be overridden with --config.<key>=<value>; an unknown key is an error.
     """
-    return ml_collections.ConfigDict({
-        # Seed of the random initialization, the data order, the synthetic problems and sampling.
-        "seed": 0,
-        # "" (random init), a Hugging Face checkpoint directory, or another run's workdir
-        # (its latest checkpoint: stage 2 starts from stage 1).
-        "init_from": "",
-        # "" = the tokenizer of init_from if set, else the offline Qwen2.5 tokenizer.
-        "tokenizer_path": "",
-        # Used for random init only; init_from brings its own architecture (dtypes, remat and
-        # attention always come from here).
-        "model": {
-            "vocab_size": 151936,  # embedding rows (the Qwen2.5 vocabulary)
-            "hidden_size": 64,  # width of the residual stream
-            "intermediate_size": 192,  # width of the MLP
-            "num_layers": 2,  # decoder layers
-            "num_heads": 4,  # query heads
-            "num_kv_heads": 2,  # key/value heads (grouped-query attention); divides num_heads
-            "head_dim": 16,  # width of one head
-            "rope_theta": 1e6,  # RoPE base
-            "rms_norm_eps": 1e-6,  # epsilon of the RMS norms
-            "tie_word_embeddings": True,  # the output head is the embedding matrix
-            "dtype": "float32",  # compute dtype (e.g. bfloat16)
-            "param_dtype": "float32",  # dtype of the parameters and the optimizer state
-            # Execution, also applied with init_from: rematerialisation policy (none | full |
-            # dots), attention implementation (xla | chunked | splash on TPU | cudnn on GPU; see
-            # mars_jax/attention.py), layers in a lax.scan (else unrolled).
-            "remat": "none", "attention": "xla", "scan_layers": True,
-        },
-        "data": {
-            "source": "synthetic",  # synthetic | gsm8k | messages
-            "train_path": "",  # .jsonl / .json / .parquet (gsm8k, messages)
-            "eval_path": "",  # evaluation rows (gsm8k, messages); "" with synthetic data
-            "eval_format": "",  # row format of eval_path; "" = that of the training data
-            "num_synthetic_train": 4000,  # synthetic training problems (source "synthetic")
-            "max_length": 128,  # a multiple of objective.block_size
-            "all_assistant_turns": False,  # label every assistant turn, not only the last
-            # JSON Lines training files: the largest fraction of non-blank lines that may hold no
-            # row (invalid JSON or UTF-8, not an object); such lines are skipped, counted and
-            # logged by file:line; past it the run stops. 0: any such line stops it.
-            "max_bad_fraction": 0.01,
-            # Rows longer than max_length: cut to it, keeping the labels that fit (True, the
-            # reference's behaviour), or skipped and counted as too_long (False).
-            "truncate": True,
-            # Runs from scratch (or from a trimmed run): embedding rows only for the ids of the
-            # training and evaluation data (+ control tokens), model.vocab_size ignored; the id
-            # map is RUN/vocab_map.json (mars_jax/vocab.py). Such a run cannot be exported.
-            "trim_vocab": False,
-        },
-        "objective": {
-            "name": stage,  # ar (stage 1) | mars (stage 2)
-            "block_size": 4,  # MARS block size B; divides data.max_length
-            "ar_weight": 1.0,  # weight of the clean (AR) CE in the MARS loss
-            # none | inverse_t: each sequence's noisy CE times 1 / (t + 1e-6), t ~ U(1e-3, 1)
-            # (the reference's trainer for the "w/o SFT loss" ablation, with ar_weight 0).
-            "noisy_weighting": "none",
-            "normalization": "sequence",  # sequence | token
-            "max_label_tokens": 0,  # 0: the most labelled tokens of any example
-            # Cross-entropy over this many positions at a time (0: all at once); bounds the
-            # [rows, positions, vocabulary] logits that exist at once.
-            "ce_chunk_size": 0,
-        },
-        "train": {
-            "batch_size": 16,  # rows per optimizer step (split into grad_accum_steps)
-            "grad_accum_steps": 1,  # micro-batches per step; divides batch_size
-            "num_epochs": 1.0,  # used when num_steps is 0
-            "num_steps": 110,  # > 0 overrides num_epochs
-            "learning_rate": 3e-3,  # peak of the linear warmup / linear decay schedule
-            "warmup_ratio": 0.03,  # fraction of the steps spent warming up, in [0, 1]
-            "weight_decay": 0.0,  # AdamW's decoupled weight decay
-            "grad_clip": 1.0,  # the global gradient norm is clipped to this
-            "log_every": 10,  # steps between metrics records
-            # A checkpoint every 25 steps (~30 s of CPU steps here) bounds the work a crash
-            # loses; SIGTERM / Ctrl-C save the step reached anyway (mars_jax/train.py).
-            "save_every": 25,
-            # Checkpoints kept: the newest max_to_keep, plus every step divisible by keep_every
-            # (0: none), kept for good.
-            "max_to_keep": 2,
-            "keep_every": 0,  # 0: none kept for good
-            # On resume, a checkpoint whose files fail their checksums (sha256.json) is an error
-            # naming the step and file; True: warn, move it to corrupt_checkpoints/ and resume
-            # from the previous checkpoint instead.
-            "restore_fallback": False,
-            # A step with a non-finite loss or gradient norm is skipped (no update) and logged
-            # with its data rows; this many skips in a row stop the run (0: never). A skip
-            # leaves the state as it was and the next step reads the next batch, so 10
-            # non-finite batches in a row point at the state or the settings (learning rate,
-            # overflow) rather than at a few bad rows, and cost only 10 steps.
-            "max_consecutive_skips": 10,
-        },
-        # Device mesh axes (-1: the remaining devices) and the logical-axis sharding rules:
-        # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('data','fsdp')".
-        "mesh": {"data": -1, "fsdp": 1, "tensor": 1, "rules": dict(sharding.DEFAULT_RULES)},
-        # Multi-process runs (one process per host): all three set, or none. Unset (the
-        # defaults), a Slurm, Open MPI, Cloud TPU pod or Kubernetes launch of several processes
-        # is detected from the environment; otherwise the run is one process. coordinator_address
-        # is "host:port" of process 0, process_id this process's index in [0, num_processes).
-        "distributed": {"coordinator_address": "", "num_processes": 0, "process_id": -1},
-        "eval": {
-            "num_examples": 64,  # evaluation prompts (the first of eval_path, or synthetic)
-            "batch_size": 32,  # prompts decoded at once
-            "thresholds": (1.0, 0.95, 0.9, 0.8, 0.7),  # confidence thresholds, each in (0, 1]
-            "block_size": 0,  # 0: the block size the run was trained with
-            "max_new_tokens": 64,  # completion budget per prompt
-            "temperature": 0.0,  # 0: greedy; > 0 samples (prompt i with seed + i)
-            "cache_mode": "sliding",  # decode.CACHE_MODES: sliding | block | none
-            "rule": "prob",  # decode.RULES: prob | entropy | margin | verify
-            "nll_examples": 64,  # reference answers scored by AR teacher-forced NLL
-            # Wall clock: each threshold's decode, and that of the AR baseline (block size 1,
-            # threshold 1.0), is timed this many times after an untimed warm-up (compilation);
-            # the fastest counts (mars_jax/evaluate.py).
-            "timing_repeats": 3,
-        },
-    })
+    return ml_collections.ConfigDict(
+        {
+            # Seed of the random initialization, the data order, the synthetic problems and sampling.
+            "seed": 0,
+            # "" (random init), a Hugging Face checkpoint directory, or another run's workdir
+            # (its latest checkpoint: stage 2 starts from stage 1).
+            "init_from": "",
+            # "" = the tokenizer of init_from if set, else the offline Qwen2.5 tokenizer.
+            "tokenizer_path": "",
+            # Used for random init only; init_from brings its own architecture (dtypes, remat and
+            # attention always come from here).
+            "model": {
+                "vocab_size": 151936,  # embedding rows (the Qwen2.5 vocabulary)
+                "hidden_size": 64,  # width of the residual stream
+                "intermediate_size": 192,  # width of the MLP
+                "num_layers": 2,  # decoder layers
+                "num_heads": 4,  # query heads
+                "num_kv_heads": 2,  # key/value heads (grouped-query attention); divides num_heads
+                "head_dim": 16,  # width of one head
+                "rope_theta": 1e6,  # RoPE base
+                "rms_norm_eps": 1e-6,  # epsilon of the RMS norms
+                "tie_word_embeddings": True,  # the output head is the embedding matrix
+                "dtype": "float32",  # compute dtype (e.g. bfloat16)
+                "param_dtype": "float32",  # dtype of the parameters and the optimizer state
+                # Execution, also applied with init_from: rematerialisation policy (none | full |
+                # dots), attention implementation (xla | chunked | splash on TPU | cudnn on GPU; see
+                # mars_jax/attention.py), layers in a lax.scan (else unrolled).
+                "remat": "none",
+                "attention": "xla",  # see mars_jax/attention.py
+                "scan_layers": True,  # False: unrolled
+            },
+            "data": {
+                "source": "synthetic",  # synthetic | gsm8k | messages
+                "train_path": "",  # .jsonl / .json / .parquet (gsm8k, messages)
+                "eval_path": "",  # evaluation rows (gsm8k, messages); "" with synthetic data
+                "eval_format": "",  # row format of eval_path; "" = that of the training data
+                "num_synthetic_train": 4000,  # synthetic training problems (source "synthetic")
+                "max_length": 128,  # a multiple of objective.block_size
+                "all_assistant_turns": False,  # label every assistant turn, not only the last
+                # JSON Lines training files: the largest fraction of non-blank lines that may hold no
+                # row (invalid JSON or UTF-8, not an object); such lines are skipped, counted and
+                # logged by file:line; past it the run stops. 0: any such line stops it.
+                "max_bad_fraction": 0.01,
+                # Rows longer than max_length: cut to it, keeping the labels that fit (True, the
+                # reference's behaviour), or skipped and counted as too_long (False).
+                "truncate": True,
+                # Runs from scratch (or from a trimmed run): embedding rows only for the ids of the
+                # training and evaluation data (+ control tokens), model.vocab_size ignored; the id
+                # map is RUN/vocab_map.json (mars_jax/vocab.py). Such a run cannot be exported.
+                "trim_vocab": False,
+            },
+            "objective": {
+                "name": stage,  # ar (stage 1) | mars (stage 2)
+                "block_size": 4,  # MARS block size B; divides data.max_length
+                "ar_weight": 1.0,  # weight of the clean (AR) CE in the MARS loss
+                # none | inverse_t: each sequence's noisy CE times 1 / (t + 1e-6), t ~ U(1e-3, 1)
+                # (the reference's trainer for the "w/o SFT loss" ablation, with ar_weight 0).
+                "noisy_weighting": "none",
+                "normalization": "sequence",  # sequence | token
+                "max_label_tokens": 0,  # 0: the most labelled tokens of any example
+                # Cross-entropy over this many positions at a time (0: all at once); bounds the
+                # [rows, positions, vocabulary] logits that exist at once.
+                "ce_chunk_size": 0,
+            },
+            "train": {
+                "batch_size": 16,  # rows per optimizer step (split into grad_accum_steps)
+                "grad_accum_steps": 1,  # micro-batches per step; divides batch_size
+                "num_epochs": 1.0,  # used when num_steps is 0
+                "num_steps": 110,  # > 0 overrides num_epochs
+                "learning_rate": 3e-3,  # peak of the linear warmup / linear decay schedule
+                "warmup_ratio": 0.03,  # fraction of the steps spent warming up, in [0, 1]
+                "weight_decay": 0.0,  # AdamW's decoupled weight decay
+                "grad_clip": 1.0,  # the global gradient norm is clipped to this
+                "log_every": 10,  # steps between metrics records
+                # A checkpoint every 25 steps (~30 s of CPU steps here) bounds the work a crash
+                # loses; SIGTERM / Ctrl-C save the step reached anyway (mars_jax/train.py).
+                "save_every": 25,
+                # Checkpoints kept: the newest max_to_keep, plus every step divisible by keep_every
+                # (0: none), kept for good.
+                "max_to_keep": 2,
+                "keep_every": 0,  # 0: none kept for good
+                # On resume, a checkpoint whose files fail their checksums (sha256.json) is an error
+                # naming the step and file; True: warn, move it to corrupt_checkpoints/ and resume
+                # from the previous checkpoint instead.
+                "restore_fallback": False,
+                # A step with a non-finite loss or gradient norm is skipped (no update) and logged
+                # with its data rows; this many skips in a row stop the run (0: never). A skip
+                # leaves the state as it was and the next step reads the next batch, so 10
+                # non-finite batches in a row point at the state or the settings (learning rate,
+                # overflow) rather than at a few bad rows, and cost only 10 steps.
+                "max_consecutive_skips": 10,
+            },
+            # Device mesh axes (-1: the remaining devices) and the logical-axis sharding rules:
+            # logical name -> mesh axes, e.g. --config.mesh.rules.embed="('data','fsdp')".
+            "mesh": {"data": -1, "fsdp": 1, "tensor": 1, "rules": dict(sharding.DEFAULT_RULES)},
+            # Multi-process runs (one process per host): all three set, or none. Unset (the
+            # defaults), a Slurm, Open MPI, Cloud TPU pod or Kubernetes launch of several processes
+            # is detected from the environment; otherwise the run is one process. coordinator_address
+            # is "host:port" of process 0, process_id this process's index in [0, num_processes).
+            "distributed": {"coordinator_address": "", "num_processes": 0, "process_id": -1},
+            "eval": {
+                "num_examples": 64,  # evaluation prompts (the first of eval_path, or synthetic)
+                "batch_size": 32,  # prompts decoded at once
+                "thresholds": (1.0, 0.95, 0.9, 0.8, 0.7),  # confidence thresholds, each in (0, 1]
+                "block_size": 0,  # 0: the block size the run was trained with
+                "max_new_tokens": 64,  # completion budget per prompt
+                "temperature": 0.0,  # 0: greedy; > 0 samples (prompt i with seed + i)
+                "cache_mode": "sliding",  # decode.CACHE_MODES: sliding | block | none
+                "rule": "prob",  # decode.RULES: prob | entropy | margin | verify
+                "nll_examples": 64,  # reference answers scored by AR teacher-forced NLL
+                # Wall clock: each threshold's decode, and that of the AR baseline (block size 1,
+                # threshold 1.0), is timed this many times after an untimed warm-up (compilation);
+                # the fastest counts (mars_jax/evaluate.py).
+                "timing_repeats": 3,
+            },
+        }
+    )
 
 
 # --- keys ---------------------------------------------------------------------------------
@@ -475,11 +479,15 @@ class ObjectiveConfig:
                 f"objective.name must be one of {sorted(OBJECTIVE_NAMES)}, got {self.name!r}"
             )
         if self.normalization not in NORMALIZATIONS:
-            raise InputError(f"objective.normalization must be one of {NORMALIZATIONS}, got "
-                             f"{self.normalization!r}")
+            raise InputError(
+                f"objective.normalization must be one of {NORMALIZATIONS}, got "
+                f"{self.normalization!r}"
+            )
         if self.noisy_weighting not in NOISY_WEIGHTINGS:
-            raise InputError(f"objective.noisy_weighting must be one of {NOISY_WEIGHTINGS}, "
-                             f"got {self.noisy_weighting!r}")
+            raise InputError(
+                f"objective.noisy_weighting must be one of {NOISY_WEIGHTINGS}, "
+                f"got {self.noisy_weighting!r}"
+            )
         if self.noisy_weighting != "none" and self.name != "mars":
             raise InputError(
                 f"objective.noisy_weighting={self.noisy_weighting!r} needs objective.name='mars'"
@@ -493,8 +501,9 @@ def objective_config(cfg, mask_id: int, longest_labels: int = 0) -> ObjectiveCon
     training example, `train_step.objective_settings`) rounded up to a multiple of 8 (logits are
     computed at that many positions per row)."""
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)} - {"mask_id"}
-    obj = ObjectiveConfig(**{k: v for k, v in cfg.objective.items() if k in fields},
-                          mask_id=mask_id)
+    obj = ObjectiveConfig(
+        **{k: v for k, v in cfg.objective.items() if k in fields}, mask_id=mask_id
+    )
     if not obj.max_label_tokens:
         obj = dataclasses.replace(obj, max_label_tokens=-(-longest_labels // 8) * 8)
     return obj

@@ -410,8 +410,9 @@ class Decoder:
 
     # The jitted entry points: each enters the mesh and traces the `_`-method of its name.
     @_static_self
-    def prefill(self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
-                row_keys) -> DecodeState:
+    def prefill(
+        self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+    ) -> DecodeState:
         """The state after the prompts' forward (no token decoded yet).
 
         prompt_ids int32 [R, P] (right-padded), prompt_lengths int32 [R] in 1..P; threshold
@@ -419,8 +420,15 @@ class Decoder:
         PRNG key or one per row [R]. Unchecked: `generate` checks its arguments.
         """
         with self._on_mesh():
-            return self._prefill(nnx.merge(self.graphdef, params), prompt_ids, prompt_lengths,
-                                 threshold, max_accept, temperature, row_keys)
+            return self._prefill(
+                nnx.merge(self.graphdef, params),
+                prompt_ids,
+                prompt_lengths,
+                threshold,
+                max_accept,
+                temperature,
+                row_keys,
+            )
 
     @_static_self
     def step(self, params, state: DecodeState) -> DecodeState:
@@ -458,14 +466,16 @@ class Decoder:
         (which also ends a decode should a step ever accept nothing)."""
         return jnp.all(state.done) | (state.forwards >= self.settings.max_forwards)
 
-    def decode(self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
-               row_keys) -> DecodeResult:
+    def decode(
+        self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+    ) -> DecodeResult:
         """prefill, the steps in a ``lax.while_loop`` and the result, traced as one program
         (call it inside ``jit``, as `_generate` does). Arguments as `prefill`."""
         with self._on_mesh():
             model = nnx.merge(self.graphdef, params)
-            s = self._prefill(model, prompt_ids, prompt_lengths, threshold, max_accept,
-                              temperature, row_keys)
+            s = self._prefill(
+                model, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+            )
             s = jax.lax.while_loop(lambda s: ~self.finished(s), lambda s: self._step(model, s), s)
             return self._result(s)
 
@@ -484,6 +494,7 @@ class Decoder:
         candidate [r, c] is the token at position positions[r, c] (int32 [R, C]). A sampling row
         adds Gumbel noise keyed by fold_in(row_keys[r], position) (module docstring)."""
         if self.settings.sampling:
+
             def noise(key, position):
                 return jax.random.gumbel(jax.random.fold_in(key, position), logits.shape[-1:])
 
@@ -503,8 +514,19 @@ class Decoder:
     def _budget(self, s: DecodeState) -> jax.Array:
         return jnp.minimum(self.settings.max_new_tokens - s.new_tokens, s.max_accept)
 
-    def _advance(self, s: DecodeState, *, cache, tokens, count, hit_eos, cache_cursor,
-                 num_drafts=None, accepted=None, forward=True) -> DecodeState:
+    def _advance(
+        self,
+        s: DecodeState,
+        *,
+        cache,
+        tokens,
+        count,
+        hit_eos,
+        cache_cursor,
+        num_drafts=None,
+        accepted=None,
+        forward=True,
+    ) -> DecodeState:
         """The next state after a forward (``forward``: counted as one) in which each active row
         accepted ``count`` tokens, the first ``count`` of ``accepted`` [R, C]."""
         st = self.settings
@@ -526,8 +548,9 @@ class Decoder:
             forwards=s.forwards + forward,
         )
 
-    def _prefill(self, model, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
-                 row_keys) -> DecodeState:
+    def _prefill(
+        self, model, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+    ) -> DecodeState:
         st = self.settings
         rows, prompt_len = prompt_ids.shape
         slots = st.slots(prompt_len)
@@ -563,8 +586,11 @@ class Decoder:
             return s.replace(cache=cache, cache_cursor=prompt_lengths - 1)
         last = read_window(hidden, prompt_lengths - 1, 1)
         first = self._choose(s, self._project(model, s, last), prompt_lengths[:, None])
-        return s.replace(cache=cache, cache_cursor=prompt_lengths,
-                         tokens=write_window(s.tokens, first, prompt_lengths))
+        return s.replace(
+            cache=cache,
+            cache_cursor=prompt_lengths,
+            tokens=write_window(s.tokens, first, prompt_lengths),
+        )
 
     @property
     def branches(self) -> tuple[str, ...]:
@@ -622,8 +648,13 @@ class Decoder:
             ok = _confident(self.acceptance.confidence(logits, token), s.threshold)
             count, hit_eos = _count(token, ok, eos, self._budget(s))
             return self._advance(
-                s, cache=cache, tokens=write_window(s.tokens, token, s.committed),
-                count=count, hit_eos=hit_eos, cache_cursor=s.committed, accepted=token,
+                s,
+                cache=cache,
+                tokens=write_window(s.tokens, token, s.committed),
+                count=count,
+                hit_eos=hit_eos,
+                cache_cursor=s.committed,
+                accepted=token,
             )
         # verify: candidate i (i >= 1) is the AR prediction after draft i-1; it is exact while
         # every draft before it equals the AR prediction at its position.
@@ -648,8 +679,14 @@ class Decoder:
         else:
             num_drafts = jnp.zeros_like(s.num_drafts)
         return self._advance(
-            s, cache=cache, tokens=tokens, count=count, hit_eos=hit_eos,
-            cache_cursor=s.committed + count - 1, num_drafts=num_drafts, accepted=token,
+            s,
+            cache=cache,
+            tokens=tokens,
+            count=count,
+            hit_eos=hit_eos,
+            cache_cursor=s.committed + count - 1,
+            num_drafts=num_drafts,
+            accepted=token,
         )
 
     # -- block: the reference's block cache -------------------------------------------------------
@@ -673,8 +710,13 @@ class Decoder:
         ok = _confident(read_window(pad(conf), filled, B), s.threshold)
         count, hit_eos = _count(cand, ok, eos, jnp.minimum(self._budget(s), B - filled))
         return self._advance(
-            s, cache=cache, tokens=write_window(s.tokens, cand, s.committed),
-            count=count, hit_eos=hit_eos, cache_cursor=start, accepted=cand,
+            s,
+            cache=cache,
+            tokens=write_window(s.tokens, cand, s.committed),
+            count=count,
+            hit_eos=hit_eos,
+            cache_cursor=start,
+            accepted=cand,
         )
 
     def _block_commit(self, model, s: DecodeState) -> DecodeState:
@@ -684,8 +726,14 @@ class Decoder:
             pending = read_window(s.tokens, s.committed, 1)
             count, hit_eos = _count(pending, jnp.ones_like(pending, bool), eos, self._budget(s))
             s = self._advance(
-                s, cache=s.cache, tokens=s.tokens, count=count, hit_eos=hit_eos,
-                cache_cursor=s.cache_cursor, accepted=pending, forward=False,
+                s,
+                cache=s.cache,
+                tokens=s.tokens,
+                count=count,
+                hit_eos=hit_eos,
+                cache_cursor=s.cache_cursor,
+                accepted=pending,
+                forward=False,
             )
             write = functools.partial(self._write_block, model)
             return jax.lax.cond(jnp.all(s.done), lambda s: s, write, s)
@@ -699,8 +747,12 @@ class Decoder:
         token = self._choose(s, self._project(model, s, hidden[:, B - 1 :]), (start + B)[:, None])
         zero = jnp.zeros_like(start)
         return self._advance(
-            s, cache=cache, tokens=write_window(s.tokens, token, start + B), count=zero,
-            hit_eos=zero.astype(bool), cache_cursor=start + B,
+            s,
+            cache=cache,
+            tokens=write_window(s.tokens, token, start + B),
+            count=zero,
+            hit_eos=zero.astype(bool),
+            cache_cursor=start + B,
         )
 
     def _result(self, s: DecodeState) -> DecodeResult:
@@ -712,8 +764,9 @@ class Decoder:
         is_eos = jnp.isin(out, eos) & within
         lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
         out = jnp.where(jnp.arange(n)[None] < lengths[:, None], out, ENDOFTEXT_ID)
-        return DecodeResult(out, lengths.astype(jnp.int32), s.new_tokens, s.row_forwards,
-                            s.forwards)
+        return DecodeResult(
+            out, lengths.astype(jnp.int32), s.new_tokens, s.row_forwards, s.forwards
+        )
 
 
 def _rowwise(x: jax.Array) -> jax.Array:
@@ -722,11 +775,22 @@ def _rowwise(x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _generate(graphdef, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature,
-              rng, *, settings: DecoderSettings) -> DecodeResult:
+def _generate(
+    graphdef,
+    params,
+    prompt_ids,
+    prompt_lengths,
+    threshold,
+    max_accept,
+    temperature,
+    rng,
+    *,
+    settings: DecoderSettings,
+) -> DecodeResult:
     """The whole decode as one jitted program: `Decoder.decode` (arguments as its)."""
-    return Decoder(graphdef, settings).decode(params, prompt_ids, prompt_lengths, threshold,
-                                              max_accept, temperature, rng)
+    return Decoder(graphdef, settings).decode(
+        params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, rng
+    )
 
 
 def generate(
@@ -868,8 +932,7 @@ def generate(
         settings=settings,
     )
     out = jax.device_get(out)
-    return DecodeOutput(out.tokens, out.lengths, out.accepted, out.row_forwards,
-                        int(out.forwards))
+    return DecodeOutput(out.tokens, out.lengths, out.accepted, out.row_forwards, int(out.forwards))
 
 
 def generate_batched(
@@ -903,8 +966,13 @@ def generate_batched(
         )
     seeds = np.pad(seeds, (0, len(ids) - len(prompts)))  # filler rows: seed 0
     outputs = [
-        generate(model, ids[i : i + batch_size], lengths[i : i + batch_size],
-                 seed=seeds[i : i + batch_size], **kwargs)
+        generate(
+            model,
+            ids[i : i + batch_size],
+            lengths[i : i + batch_size],
+            seed=seeds[i : i + batch_size],
+            **kwargs,
+        )
         for i in range(0, len(ids), batch_size)
     ]
     return DecodeOutput.concatenate(outputs, rows=len(prompts))

@@ -38,17 +38,25 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax.errors import AlreadyExists, InputError
-from mars_jax import cli, config, decode, plots, vocab, workdir as wd
+from mars_jax import cli, config, decode, plots, vocab
+from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
+from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.grading import accuracy, extract_answer
 from mars_jax.objectives import ar_loss
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
 # Wall-clock measurements, in a result row or at the top of a report: they differ between two
 # evaluations of the same checkpoint.
-WALL_CLOCK_KEYS = ("tokens_per_s", "seconds", "speedup", "conversion", "ar_tokens_per_s",
-                   "ar_seconds")
+WALL_CLOCK_KEYS = (
+    "tokens_per_s",
+    "seconds",
+    "speedup",
+    "conversion",
+    "ar_tokens_per_s",
+    "ar_seconds",
+)
+
 
 def teacher_forced_nll(model, tok, examples, *, max_length: int, batch_size: int) -> float:
     """Mean per-token NLL (nats) of the reference answers (+ <|im_end|>) under AR teacher forcing."""
@@ -182,8 +190,13 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     def timed_run(threshold, block_size=block_size):
         key = (block_size, threshold)
         if key not in timed:
-            logging.info("decoding %d prompts at block size %d, threshold %.2f, best of %d",
-                         len(prompts), block_size, threshold, e.timing_repeats)
+            logging.info(
+                "decoding %d prompts at block size %d, threshold %.2f, best of %d",
+                len(prompts),
+                block_size,
+                threshold,
+                e.timing_repeats,
+            )
             timed[key] = best_of(lambda: run(threshold, block_size), e.timing_repeats)
         return timed[key]
 

@@ -23,8 +23,9 @@ import os
 
 from absl import flags, logging
 
+from mars_jax import cli, huggingface, plots
+from mars_jax import workdir as wd
 from mars_jax.errors import InputError
-from mars_jax import cli, huggingface, plots, workdir as wd
 from mars_jax.tokenizer import Tokenizer
 
 
@@ -65,8 +66,13 @@ def export_run(
         with open(eval_path) as f:
             report = json.load(f)
     card = model_card(
-        wd.read_run_config(workdir), tok, workdir=workdir, step=step, block_size=block_size,
-        eval_report=report, base_model=base_model,
+        wd.read_run_config(workdir),
+        tok,
+        workdir=workdir,
+        step=step,
+        block_size=block_size,
+        eval_report=report,
+        base_model=base_model,
     )
     with open(os.path.join(output, "README.md"), "w") as f:
         f.write(card)
@@ -107,25 +113,35 @@ def model_card(
             "information, so threshold decoding stays near one token per forward"
         )
     lines = [
-        "---", *metadata, "---", "",
-        "# MARS checkpoint", "",
+        "---",
+        *metadata,
+        "---",
+        "",
+        "# MARS checkpoint",
+        "",
         "A Qwen2.5-architecture causal LM "
         f"{about} (Mask AutoRegression, [arXiv 2604.07023](https://arxiv.org/abs/2604.07023)), "
         "exported by mars-jax. MARS adds no parameters or heads: one checkpoint decodes exactly "
         "like an autoregressive model one token per forward, or several tokens per forward where "
-        "it is confident.", "",
-        "| | |", "|---|---|",
+        "it is confident.",
+        "",
+        "| | |",
+        "|---|---|",
         f"| block size (most tokens per forward, as trained) | {block_size} |",
         f"| mask token | `{mask_token}` (id {tok.mask_id}) |",
         f"| objective | {objective['name']}, ar_weight {objective['ar_weight']}, "
         f"{objective['normalization']} normalization |",
         f"| initialized from | {run_config.get('init_from') or 'random initialization'} |",
-        f"| exported from | run `{workdir}`, step {step} |", "",
+        f"| exported from | run `{workdir}`, step {step} |",
+        "",
         "config.json records `mask_token_id` and `mars_block_size`; generation_config.json makes "
-        "`generate` greedy and stop at `<|im_end|>` (151645) or `<|endoftext|>` (151643).", "",
-        "## Recommended thresholds", "",
+        "`generate` greedy and stop at `<|im_end|>` (151645) or `<|endoftext|>` (151643).",
+        "",
+        "## Recommended thresholds",
+        "",
         "A block's candidate tokens are accepted left to right while the model's confidence is at "
-        "least the threshold.", "",
+        "least the threshold.",
+        "",
         "- **1.0**: exact AR decoding, token for token the greedy output, one token per forward.",
         "- **0.95** / **0.9**: several tokens per forward where the model is confident, trading "
         "some agreement with AR (and possibly accuracy) for fewer forwards; check on your data.",
@@ -133,12 +149,16 @@ def model_card(
     ]
     if eval_report is not None:
         lines += [
-            f"## Evaluation (step {eval_report['step']})", "",
-            plots.format_table(eval_report), "",
+            f"## Evaluation (step {eval_report['step']})",
+            "",
+            plots.format_table(eval_report),
+            "",
         ]
     lines += [
-        "## Decoding with MARS", "",
-        "With mars-jax's decoder, from this directory:", "",
+        "## Decoding with MARS",
+        "",
+        "With mars-jax's decoder, from this directory:",
+        "",
         "```python",
         "from mars_jax import decode, huggingface",
         "from mars_jax.tokenizer import load_tokenizer",
@@ -152,11 +172,14 @@ def model_card(
         "    max_new_tokens=256, mask_id=tok.mask_id,",
         ")",
         "print(tok.decode(out.completions()[0]), out.tokens_per_forward)",
-        "```", "",
+        "```",
+        "",
         "or from the training run: `python -m mars_jax.generate "
-        f"--workdir={workdir} --prompt=\"What is 12 * 7?\" --threshold=0.95`.", "",
+        f'--workdir={workdir} --prompt="What is 12 * 7?" --threshold=0.95`.',
+        "",
         "Plain `transformers` `generate()` (or any AR serving stack) decodes it as an "
-        "autoregressive model, one token per forward, the same as threshold 1.0.", "",
+        "autoregressive model, one token per forward, the same as threshold 1.0.",
+        "",
     ]
     return "\n".join(lines)
 
@@ -173,7 +196,10 @@ def main() -> None:
     )
     cli.run(
         lambda: export_run(
-            workdir.value, output.value, step=step.value, dtype=dtype.value,
+            workdir.value,
+            output.value,
+            step=step.value,
+            dtype=dtype.value,
             base_model=base_model.value,
         )
     )

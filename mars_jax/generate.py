@@ -26,8 +26,9 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
+from mars_jax import cli, config, decode, vocab
+from mars_jax import workdir as wd
 from mars_jax.errors import InputError
-from mars_jax import cli, config, decode, vocab, workdir as wd
 from mars_jax.rows import read_rows
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, Tokenizer
 
@@ -38,8 +39,9 @@ class TextStream:
     chunk that ends inside a multi-byte character is held back until the character is complete.
     """
 
-    def __init__(self, tok: Tokenizer, rows: int, eos_ids: Sequence[int],
-                 write: Callable[[int, str], None]):
+    def __init__(
+        self, tok: Tokenizer, rows: int, eos_ids: Sequence[int], write: Callable[[int, str], None]
+    ):
         self.tok, self.eos, self.write = tok, set(int(e) for e in eos_ids), write
         self.ids: list[list[int]] = [[] for _ in range(rows)]
         self.shown = [""] * rows
@@ -85,9 +87,14 @@ def complete(
     EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}. Raises FileNotFoundError for a
     directory that is not a run with a checkpoint, ValueError as `decode.generate`.
     """
-    config.check_decoding(threshold=threshold, block_size=block_size,
-                          max_new_tokens=max_new_tokens, temperature=temperature,
-                          cache_mode=cache_mode, rule=rule)
+    config.check_decoding(
+        threshold=threshold,
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        cache_mode=cache_mode,
+        rule=rule,
+    )
     model, tok, _ = wd.load_model(workdir, step=step)
     eos_ids = vocab.model_ids(tok, DEFAULT_EOS_IDS)
     system_turn = [{"role": "system", "content": system}] if system else []
@@ -128,9 +135,7 @@ def format_text(results: Sequence[dict]) -> str:
     (an empty completion is an empty line under its header)."""
     if len(results) == 1:
         return results[0]["text"]
-    return "\n\n".join(
-        f"=== [{i}] {r['prompt']!r} ===\n{r['text']}" for i, r in enumerate(results)
-    )
+    return "\n\n".join(f"=== [{i}] {r['prompt']!r} ===\n{r['text']}" for i, r in enumerate(results))
 
 
 def read_prompts(path: str) -> tuple[list[str], list[float | None]]:

@@ -195,8 +195,8 @@ def _checkpoint_files(path: str) -> list[str]:
         raise NotFound(
             f"{path}: no model.safetensors, only pickle-based weights ({', '.join(pickled)}), "
             "which are not loaded: unpickling can run arbitrary code. If you trust them, "
-            "convert them to safetensors once with transformers: python -c \"import transformers "
-            f"as t; d = {path!r}; t.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)\""
+            'convert them to safetensors once with transformers: python -c "import transformers '
+            f'as t; d = {path!r}; t.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)"'
         )
     raise NotFound(f"{path}: no model.safetensors or model.safetensors.index.json")
 
@@ -300,9 +300,7 @@ def _check_tied_head(path: str, head_file: str, embedding_file: str, shape: tupl
     ):
         head, embedding = fh.get_slice(_HEAD), fe.get_slice(_EMBEDDING)
         for start in range(0, shape[0], rows):
-            index = (slice(start, min(start + rows, shape[0])),) + (slice(None),) * (
-                len(shape) - 1
-            )
+            index = (slice(start, min(start + rows, shape[0])),) + (slice(None),) * (len(shape) - 1)
             a = np.asarray(head[index], np.float64)
             b = np.asarray(embedding[index], np.float64)
             differ = ~((a == b) | (np.isnan(a) & np.isnan(b)))
@@ -320,7 +318,11 @@ def _check_tied_head(path: str, head_file: str, embedding_file: str, shape: tupl
         )
     logging.info(
         "%s: %r (%s) equals the tied %r (%s); it is not loaded (tie_word_embeddings: true)",
-        path, _HEAD, head_file, _EMBEDDING, embedding_file,
+        path,
+        _HEAD,
+        head_file,
+        _EMBEDDING,
+        embedding_file,
     )
 
 
@@ -414,7 +416,9 @@ def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "flo
     if "auto_map" in hf:
         logging.warning(
             "%s: auto_map %s names custom code; it is not run (the weights load into "
-            "mars_jax's own Qwen2)", source, json.dumps(hf["auto_map"]),
+            "mars_jax's own Qwen2)",
+            source,
+            json.dumps(hf["auto_map"]),
         )
     return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=source)
 

@@ -83,7 +83,9 @@ def read_window(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     if size > SELECT_MAX_SLOTS:
         return _read_dynamic(x, start, size)
     return jax.lax.platform_dependent(
-        x, start, tpu=functools.partial(_read_select, size=size),
+        x,
+        start,
+        tpu=functools.partial(_read_select, size=size),
         default=functools.partial(_read_dynamic, size=size),
     )
 

@@ -32,7 +32,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import chunks, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mars_jax import config, decode, vocab, workdir as wd
+from mars_jax import config, decode, vocab
+from mars_jax import workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
@@ -67,30 +68,46 @@ def _continuation_scores(model, ids, starts, targets):
 class MarsLM(TemplateLM):
     """A mars-jax run as an lm_eval model (module docstring for the arguments).
 
-    ``generate_until`` decodes each context (raw text; lm_eval renders the chat template first
-    with ``--apply_chat_template``, through `apply_chat_template`) with `decode.generate_batched`
-    at the run's threshold, then cuts the text at the first ``until`` string; ``max_gen_toks``
-    bounds the completion in tokens. ``loglikelihood`` sums the log-probabilities of the
-    continuation's tokens under the plain causal forward (the clean AR path, no masks) and says
-    whether greedy decoding would give them; lm_eval's `TemplateLM` splits the text into
-    context and continuation tokens. Accepted tokens per decoding forward, over all
-    ``generate_until`` calls so far, are logged, kept in ``tokens_per_forward`` and written into
-lm_eval's results (`get_model_info`).
+        ``generate_until`` decodes each context (raw text; lm_eval renders the chat template first
+        with ``--apply_chat_template``, through `apply_chat_template`) with `decode.generate_batched`
+        at the run's threshold, then cuts the text at the first ``until`` string; ``max_gen_toks``
+        bounds the completion in tokens. ``loglikelihood`` sums the log-probabilities of the
+        continuation's tokens under the plain causal forward (the clean AR path, no masks) and says
+        whether greedy decoding would give them; lm_eval's `TemplateLM` splits the text into
+        context and continuation tokens. Accepted tokens per decoding forward, over all
+        ``generate_until`` calls so far, are logged, kept in ``tokens_per_forward`` and written into
+    lm_eval's results (`get_model_info`).
 
-    Raises FileNotFoundError for a workdir without a checkpoint, ValueError for a batch size
-    that is not a positive integer, and (in ``generate_until``) for an unsupported generation
-    kwarg or as `decode.generate` (e.g. a threshold outside (0, 1]).
+        Raises FileNotFoundError for a workdir without a checkpoint, ValueError for a batch size
+        that is not a positive integer, and (in ``generate_until``) for an unsupported generation
+        kwarg or as `decode.generate` (e.g. a threshold outside (0, 1]).
     """
 
-    def __init__(self, workdir: str, threshold: float = 1.0, block_size: int | None = None,
-                 cache_mode: str = "sliding", rule: str = "prob", step: int | None = None,
-                 seed: int = 0, max_gen_toks: int = 256, max_length: int = 2048,
-                 batch_size: int | str | None = None, max_batch_size=None, device=None):
+    def __init__(
+        self,
+        workdir: str,
+        threshold: float = 1.0,
+        block_size: int | None = None,
+        cache_mode: str = "sliding",
+        rule: str = "prob",
+        step: int | None = None,
+        seed: int = 0,
+        max_gen_toks: int = 256,
+        max_length: int = 2048,
+        batch_size: int | str | None = None,
+        max_batch_size=None,
+        device=None,
+    ):
         super().__init__()
         # Checked before the model is loaded: decode.generate would refuse them only at the
         # first generate_until request, after lm_eval's task setup and any loglikelihood tasks.
-        config.check_decoding(threshold=threshold, block_size=block_size, cache_mode=cache_mode,
-                              rule=rule, prefix="mars_jax: ")
+        config.check_decoding(
+            threshold=threshold,
+            block_size=block_size,
+            cache_mode=cache_mode,
+            rule=rule,
+            prefix="mars_jax: ",
+        )
         try:
             self.batch_size = int(batch_size or 1)
         except ValueError:
@@ -100,8 +117,11 @@ lm_eval's results (`get_model_info`).
         self.workdir = workdir
         self.model, self.tokenizer, self.step = wd.load_model(workdir, step=step)
         self.decode_kwargs = dict(
-            block_size=block_size or wd.trained_block_size(workdir), threshold=float(threshold),
-            cache_mode=cache_mode, rule=rule, mask_id=self.tokenizer.mask_id,
+            block_size=block_size or wd.trained_block_size(workdir),
+            threshold=float(threshold),
+            cache_mode=cache_mode,
+            rule=rule,
+            mask_id=self.tokenizer.mask_id,
             eos_ids=vocab.model_ids(self.tokenizer, DEFAULT_EOS_IDS),  # a trimmed run's ids
         )
         self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
@@ -132,9 +152,14 @@ lm_eval's results (`get_model_info`).
         """What lm_eval adds to its results' ``config``: the run, the decoding settings and the
         tokens per forward of all ``generate_until`` calls (accepted tokens, EOS included, per
         decoding forward; prefill not counted; 0.0 without generation requests)."""
-        return {"workdir": self.workdir, "step": self.step, **self.decode_kwargs,
-                "tokens_per_forward": self.tokens_per_forward,
-                "decoded_tokens": self.accepted, "decoding_forwards": self.forwards}
+        return {
+            "workdir": self.workdir,
+            "step": self.step,
+            **self.decode_kwargs,
+            "tokens_per_forward": self.tokens_per_forward,
+            "decoded_tokens": self.accepted,
+            "decoding_forwards": self.forwards,
+        }
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt=True) -> str:
         """``chat_history`` rendered by the run's chat template (a str)."""
@@ -158,10 +183,14 @@ lm_eval's results (`get_model_info`).
         results = []
         for batch in chunks(requests, self.batch_size):
             seqs = [(ctx + cont)[:-1] for _, ctx, cont in batch]
-            ids = np.full((self.batch_size, _round_up(max(map(len, seqs)), 64)),
-                          self.tokenizer.pad_id, np.int32)
-            targets = np.zeros((self.batch_size, _round_up(max(len(c) for *_, c in batch), 8)),
-                               np.int32)
+            ids = np.full(
+                (self.batch_size, _round_up(max(map(len, seqs)), 64)),
+                self.tokenizer.pad_id,
+                np.int32,
+            )
+            targets = np.zeros(
+                (self.batch_size, _round_up(max(len(c) for *_, c in batch), 8)), np.int32
+            )
             starts = np.zeros((self.batch_size,), np.int32)
             for r, ((_, ctx, cont), seq) in enumerate(zip(batch, seqs)):
                 ids[r, : len(seq)], targets[r, : len(cont)], starts[r] = seq, cont, len(ctx) - 1
@@ -180,8 +209,12 @@ lm_eval's results (`get_model_info`).
         for (text,) in (r.args for r in requests):
             windows = [
                 ((text, ""), ctx, cont)
-                for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    self.tok_encode(text), self.prefix_token_id, self.max_length, 1))
+                for ctx, cont in map(
+                    make_disjoint_window,
+                    get_rolling_token_windows(
+                        self.tok_encode(text), self.prefix_token_id, self.max_length, 1
+                    ),
+                )
             ]
             results.append(sum(logp for logp, _ in self._loglikelihood_tokens(windows)))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), results[-1])
@@ -201,8 +234,12 @@ lm_eval's results (`get_model_info`).
         for temperature, rows in by_temperature.items():
             prompts = [self._encode_request(i, requests[i].args[0]) for i in rows]
             out = decode.generate_batched(
-                self.model, prompts, batch_size=self.batch_size, pad_id=self.tokenizer.pad_id,
-                seed=self.seed, temperature=temperature,
+                self.model,
+                prompts,
+                batch_size=self.batch_size,
+                pad_id=self.tokenizer.pad_id,
+                seed=self.seed,
+                temperature=temperature,
                 max_new_tokens=max(settings[i]["max_gen_toks"] for i in rows),
                 **self.decode_kwargs,
             )
@@ -212,8 +249,11 @@ lm_eval's results (`get_model_info`).
                 text = self.tokenizer.decode(tokens[: settings[i]["max_gen_toks"]])
                 texts[i] = postprocess_generated_text(text, settings[i]["until"], None)
                 self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])
-        log.info("mars_jax: %.3f tokens per forward so far (threshold %.2f)",
-                 self.tokens_per_forward, self.decode_kwargs["threshold"])
+        log.info(
+            "mars_jax: %.3f tokens per forward so far (threshold %.2f)",
+            self.tokens_per_forward,
+            self.decode_kwargs["threshold"],
+        )
         return texts
 
 

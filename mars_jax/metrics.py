@@ -44,7 +44,9 @@ class MetricsWriter:
                         if json.loads(line)["step"] <= start_step:
                             kept.append(line)
                     except (json.JSONDecodeError, KeyError):
-                        logging.warning("%s:%d: dropping unreadable metrics record", self.path, number)
+                        logging.warning(
+                            "%s:%d: dropping unreadable metrics record", self.path, number
+                        )
             with open(self.path, "w") as f:
                 f.writelines(kept)
         self._file = open(self.path, "a")
@@ -66,7 +68,9 @@ class MetricsWriter:
         A skipped step's loss may be NaN or infinite: it is written as NaN / Infinity, which is
         not strict JSON but which Python's json reads back.
         """
-        parts = "".join(f" {k} {record[k]:.4f}" for k in ("noisy_loss", "clean_loss") if k in record)
+        parts = "".join(
+            f" {k} {record[k]:.4f}" for k in ("noisy_loss", "clean_loss") if k in record
+        )
         if record.get("skipped_steps"):
             parts += f" skipped steps {record['skipped_steps']}"
         logging.info(

@@ -117,8 +117,14 @@ def token_nll(model: Qwen2, h: jax.Array, targets: jax.Array, chunk_size: int = 
 
 
 def cross_entropy(
-    model: Qwen2, hidden: jax.Array, positions, targets, valid, normalization: str,
-    chunk_size: int = 0, row_weights: jax.Array | None = None,
+    model: Qwen2,
+    hidden: jax.Array,
+    positions,
+    targets,
+    valid,
+    normalization: str,
+    chunk_size: int = 0,
+    row_weights: jax.Array | None = None,
 ):
     """Mean CE of ``targets`` given hidden states [R, T, D] gathered at ``positions`` [R, M].
 

@@ -40,8 +40,11 @@ def accelerator_attached() -> bool:
                     return True
         except OSError:
             continue
-    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/nvidiactl")
-                or os.path.exists("/dev/kfd"))
+    return bool(
+        glob.glob("/dev/nvidia[0-9]*")
+        or os.path.exists("/dev/nvidiactl")
+        or os.path.exists("/dev/kfd")
+    )
 
 
 def cpu_unless_accelerator() -> bool:

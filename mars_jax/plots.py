@@ -33,8 +33,12 @@ def pareto_plot(runs: dict[str, list[dict]], path: str, *, title: str = ""):
             thresholds.setdefault(point, []).append(f"{r['threshold']:g}")
         for point, names in thresholds.items():
             ax.annotate(
-                ", ".join(names), point, textcoords="offset points", xytext=(4, 4),
-                fontsize=8, color=line.get_color(),
+                ", ".join(names),
+                point,
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+                color=line.get_color(),
             )
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("accuracy")
@@ -51,7 +55,8 @@ def format_table(report: dict) -> str:
     ar = report.get("ar_tokens_per_s")
     timing = (
         f"; AR (block size 1) {ar:.1f} tokens/s, best of {report['timing_repeats']}"
-        if ar is not None else ""
+        if ar is not None
+        else ""
     )
     lines = [
         f"{report['workdir']} step {report['step']}: {report['num_examples']} examples, "

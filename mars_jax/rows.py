@@ -173,7 +173,8 @@ def _json_lines(
         )
         if num_bad / num_lines > max_bad_fraction:
             limit = (
-                f"more than max_bad_fraction={max_bad_fraction}" if max_bad_fraction
+                f"more than max_bad_fraction={max_bad_fraction}"
+                if max_bad_fraction
                 else "this file must be valid throughout (data.max_bad_fraction applies to "
                 "training files only)"
             )

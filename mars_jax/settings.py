@@ -20,8 +20,17 @@ from mars_jax.config import (  # re-exported
 from mars_jax.errors import MissingPath, SettingError  # re-exported
 
 __all__ = [
-    "SOURCES", "MissingPath", "SettingError", "check", "check_devices", "check_keys", "flat_keys",
-    "mesh_sizes", "nearest_key", "unknown_key", "unknown_key_message",
+    "SOURCES",
+    "MissingPath",
+    "SettingError",
+    "check",
+    "check_devices",
+    "check_keys",
+    "flat_keys",
+    "mesh_sizes",
+    "nearest_key",
+    "unknown_key",
+    "unknown_key_message",
 ]
 
 

@@ -30,6 +30,8 @@ import tokenizers
 from absl import logging
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from mars_jax.errors import InputError, NotFound
+
 ENDOFTEXT_ID = 151643  # <|endoftext|>: pad and BOS
 IM_START_ID = 151644  # <|im_start|>
 IM_END_ID = 151645  # <|im_end|>: EOS of a turn
@@ -89,8 +91,6 @@ QWEN25_CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif %}\n"
 )
-
-from mars_jax.errors import InputError, NotFound
 
 
 def _raise_exception(message: str):
@@ -426,7 +426,10 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     if "auto_map" in config:
         logging.warning(
             "%s: auto_map %s names custom tokenizer code; it is not run (the tokenizer is "
-            "read from %s)", config_file, json.dumps(config["auto_map"]), model_file,
+            "read from %s)",
+            config_file,
+            json.dumps(config["auto_map"]),
+            model_file,
         )
     _add_control_tokens(
         tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file)

@@ -38,17 +38,26 @@ from absl import logging
 from flax import nnx
 
 from mars_jax import (
-    cli, config, distributed, huggingface, objectives, sharding, train_step, vocab, workdir as wd,
+    cli,
+    config,
+    distributed,
+    huggingface,
+    objectives,
+    sharding,
+    train_step,
+    vocab,
+)
+from mars_jax import (
+    workdir as wd,
 )
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.checkpoints import Checkpoints, TrainState
+from mars_jax.errors import SettingError
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
-from mars_jax.errors import SettingError
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import SYNTHETIC, load_rows, read_rows
 from mars_jax.tokenizer import load_tokenizer
-
 
 # ModelConfig fields taken from the run config even when init_from brings the architecture.
 _EXECUTION_KEYS = ("dtype", "param_dtype", "remat", "attention", "scan_layers")
@@ -263,16 +272,40 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     params, opt_state, position = state
     preemption.checkpoints = checkpoints
     last = _run_steps(
-        cfg, workdir, step, schedule, dataset, checkpoints, metrics, preemption,
-        params, opt_state, position, start, num_steps,
+        cfg,
+        workdir,
+        step,
+        schedule,
+        dataset,
+        checkpoints,
+        metrics,
+        preemption,
+        params,
+        opt_state,
+        position,
+        start,
+        num_steps,
     )
     checkpoints.close()
     metrics.close()
     return last
 
 
-def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, preemption,
-               params, opt_state, position, start, num_steps) -> dict:
+def _run_steps(
+    cfg,
+    workdir,
+    step,
+    schedule,
+    dataset,
+    checkpoints,
+    metrics,
+    preemption,
+    params,
+    opt_state,
+    position,
+    start,
+    num_steps,
+) -> dict:
     """Steps ``start`` .. ``num_steps`` of `train`, saving every ``train.save_every``, at the
     end, and at a preemption (then returning early); returns the last logged metrics record.
 
@@ -323,7 +356,10 @@ def _run_steps(cfg, workdir, step, schedule, dataset, checkpoints, metrics, pree
                 checkpoints.wait_until_finished()
                 logging.info(
                     "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
-                    preemption.reason, done, num_steps, workdir,
+                    preemption.reason,
+                    done,
+                    num_steps,
+                    workdir,
                 )
                 break
     except FloatingPointError:
@@ -378,7 +414,11 @@ class SkippedSteps:
         logging.warning(
             "step %d skipped: non-finite loss or gradient norm (%d in a row, %d in all); "
             "source rows (0-based) of %sits batch: %s",
-            step, self.consecutive, self.total, whose, rows,
+            step,
+            self.consecutive,
+            self.total,
+            whose,
+            rows,
         )
         if self.limit and self.consecutive >= self.limit:
             raise FloatingPointError(

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mars_jax import sharding
 from mars_jax.config import ObjectiveConfig, objective_config
@@ -77,8 +78,9 @@ def micro_batches(batch: dict[str, jax.Array], grad_accum_steps: int) -> dict[st
     )
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, obj, grad_accum_steps: int,
-                    param_shardings=None):
+def make_train_step(
+    graphdef, tx: optax.GradientTransformation, obj, grad_accum_steps: int, param_shardings=None
+):
     """A pure step (params, opt_state, batch) -> (params, opt_state, metrics).
 
     The batch ({input_ids, labels} int32 [batch, L], plus noisy_weight fp32 [batch] with the
@@ -182,7 +184,9 @@ def build_train_step(
     abstract_opt = abstract_opt_state(tx, abstract_params, mesh)
     opt_shardings = sharding.shardings_of(abstract_opt)
     batch_sharding = sharding.batch_sharding(mesh, rules)
-    row = jax.ShapeDtypeStruct((t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding)
+    row = jax.ShapeDtypeStruct(
+        (t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding
+    )
     abstract_batch = {"input_ids": row, "labels": row}
     if obj.noisy_weighting == "inverse_t":  # per-row weights, placed as the rows
         abstract_batch[NOISY_WEIGHT] = jax.ShapeDtypeStruct(
@@ -197,9 +201,7 @@ def build_train_step(
 
     fn = jax.jit(
         on_mesh,
-        in_shardings=(
-            param_shardings, opt_shardings, sharding.shardings_of(abstract_batch)
-        ),
+        in_shardings=(param_shardings, opt_shardings, sharding.shardings_of(abstract_batch)),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),
     )

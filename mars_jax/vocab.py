@@ -34,8 +34,11 @@ class VocabMap:
 
     def __init__(self, ids: Sequence[int] | np.ndarray):
         self.ids = np.asarray(ids, np.int32)
-        if self.ids.ndim != 1 or self.ids.size == 0 or self.ids[0] < 0 or np.any(
-            np.diff(self.ids) <= 0
+        if (
+            self.ids.ndim != 1
+            or self.ids.size == 0
+            or self.ids[0] < 0
+            or np.any(np.diff(self.ids) <= 0)
         ):
             raise InputError("a vocabulary map needs non-negative ids, sorted and unique")
         # Dense Qwen id -> model id table (-1: not kept): one lookup per token, where a search

@@ -33,9 +33,9 @@ import time
 from flax import nnx
 from jax.sharding import Mesh
 
-from mars_jax.errors import InputError, NotFound
 from mars_jax import sharding, vocab
 from mars_jax.checkpoints import Checkpoints
+from mars_jax.errors import InputError, NotFound
 from mars_jax.model import ModelConfig, abstract_params
 from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -224,8 +224,10 @@ class RunLock(contextlib.AbstractContextManager):
                 "to end or stop it, or train in another workdir"
             ) from None
         f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        f.write(
+            f"pid {os.getpid()} on {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+        )
         f.flush()
         self._file = f
         return self
@@ -245,9 +247,7 @@ def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = Non
     Raises FileNotFoundError for a directory that is not a run or has no checkpoint.
     """
     cfg = read_model_config(workdir, **overrides)
-    graphdef, abstract = abstract_params(
-        cfg, mesh or sharding.make_mesh(), sharding_rules(workdir)
-    )
+    graphdef, abstract = abstract_params(cfg, mesh or sharding.make_mesh(), sharding_rules(workdir))
     with Checkpoints(workdir) as checkpoints:
         params, step = checkpoints.restore_params(abstract, step)
     tok = load_tokenizer(os.path.join(workdir, "tokenizer"))

@@ -63,9 +63,15 @@ def run_python(*args, check=True, env=None, timeout=600, **kwargs):
     repository root with ``env`` (default: `python_env()`), its output captured as text. With
     ``check``, an exit status other than 0 fails the test with the command and the tails of
     its output. Returns the CompletedProcess; ``kwargs`` go to subprocess.run."""
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT,
-                          env=python_env() if env is None else env, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+    proc = subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=ROOT,
+        env=python_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
     if check:
         assert proc.returncode == 0, (
             f"python {' '.join(map(str, args))[:500]} exited {proc.returncode}\n"

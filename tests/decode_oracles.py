@@ -98,8 +98,18 @@ def reference_ar(fwd: Uncached, prompt, max_new, eos=EOS):
     return out[:cut], len(out), probs
 
 
-def reference_mars(fwd: Uncached, prompt, *, block_size, threshold, max_new, eos=EOS,
-                   mask_id=MASK_ID, rule="prob", max_accept=None):
+def reference_mars(
+    fwd: Uncached,
+    prompt,
+    *,
+    block_size,
+    threshold,
+    max_new,
+    eos=EOS,
+    mask_id=MASK_ID,
+    rule="prob",
+    max_accept=None,
+):
     """The MARS acceptance rule, uncached: each step forwards committed tokens + B-1 masks
     (positions n .. n+B-2) and reads the outputs at n-1 .. n+B-2 as candidates for n .. n+B-1;
     the first is accepted, then left to right while confidence (`rule_confidence`) >= threshold
@@ -147,8 +157,9 @@ def rule_confidence(logits, rule):
     return top2[:, 0].astype(np.float32)
 
 
-def reference_block(fwd: Uncached, prompt, *, block_size, threshold, max_new, eos=EOS,
-                    mask_id=MASK_ID):
+def reference_block(
+    fwd: Uncached, prompt, *, block_size, threshold, max_new, eos=EOS, mask_id=MASK_ID
+):
     """The reference's block-cached scheme, uncached and for one row alone: blocks of B positions
     from the end of the prompt; each forward feeds the committed text, the block's accepted
     tokens and masks for the rest of the block, reads candidates for the unfilled positions (the

@@ -60,8 +60,17 @@ def test_splash_refuses_what_it_cannot_run():
         attention.attend(q, k, v, causal_mask(256), "flash")
 
 
-CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                  num_kv_heads=2, head_dim=8, rope_theta=1e4, tie_word_embeddings=False)
+CFG = ModelConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    tie_word_embeddings=False,
+)
 
 
 def mars_batch(seed=0, rows=3, length=2 * 64):
@@ -83,9 +92,16 @@ def reference():
 def _mars_value_and_grad(params, **execution):
     cfg = ModelConfig(**{**CFG.__dict__, **execution})
     graphdef = nnx.graphdef(Qwen2(cfg, rngs=nnx.Rngs(0)))
-    obj = SimpleNamespace(name="mars", block_size=BLOCK, ar_weight=1.0, normalization="sequence",
-                          max_label_tokens=None, mask_id=127, ce_chunk_size=0,
-                          noisy_weighting="none")
+    obj = SimpleNamespace(
+        name="mars",
+        block_size=BLOCK,
+        ar_weight=1.0,
+        normalization="sequence",
+        max_label_tokens=None,
+        mask_id=127,
+        ce_chunk_size=0,
+        noisy_weighting="none",
+    )
     loss = lambda p: mars_loss(nnx.merge(graphdef, p), mars_batch(), obj)[0]
     return jax.jit(jax.value_and_grad(loss))(params)
 

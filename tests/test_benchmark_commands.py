@@ -64,8 +64,9 @@ def finite_positive(x) -> bool:
 # -- benchmarks/roofline.py ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra", [[], ["--cpu_gflops=278", "--cpu_gbps=42.3"]],
-                         ids=["accelerators", "with_cpu"])
+@pytest.mark.parametrize(
+    "extra", [[], ["--cpu_gflops=278", "--cpu_gbps=42.3"]], ids=["accelerators", "with_cpu"]
+)
 def test_roofline(extra):
     """docs/decoding.md's commands: the tables, with the published parameter counts."""
     out = run("benchmarks/roofline.py", "--markdown", *extra)
@@ -88,8 +89,14 @@ def test_roofline(extra):
         heads = 1 if m["tied"] == "True" else 2
         assert num(m["non-embedding"]) + heads * num(m["V x D"]) == num(m["total"])
 
-    modes = ["AR (KV cache)", "sliding / verify (2B-1)", "sliding, adaptive (B)", "block (B)",
-             "block commit (B, 1 projection)", "none (no cache)"]
+    modes = [
+        "AR (KV cache)",
+        "sliding / verify (2B-1)",
+        "sliding, adaptive (B)",
+        "block (B)",
+        "block commit (B, 1 projection)",
+        "none (no cache)",
+    ]
     for model in models:
         for hw in hardware:
             head, rows = header_and_body(out, f"### {model} on {hw}: step ms")
@@ -121,9 +128,14 @@ SMOKE_BLOCK, SMOKE_STEPS = 2, 6  # accelerator.sh --smoke's B and forwards per p
 def accelerator(tmp_path_factory):
     """The prepared accelerator run on CPU at its smoke setting: its output directory."""
     out = tmp_path_factory.mktemp("accelerator")
-    proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--smoke", str(out)], cwd=ROOT,
-                          env=python_env(PYTHONPATH=None), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        ["bash", "benchmarks/accelerator.sh", "--smoke", str(out)],
+        cwd=ROOT,
+        env=python_env(PYTHONPATH=None),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -169,7 +181,8 @@ def test_decode_step(accelerator):
     block, steps, out = SMOKE_BLOCK, SMOKE_STEPS, accelerator / "decode_step_tiny"
     rows = [json.loads(line) for line in (out / "decode_step.jsonl").read_text().splitlines()]
     assert [(r["mode"], r["accept"]) for r in rows] == [("ar", 1)] + [
-        (m, k) for m in ("sliding", "sliding_fixed", "block") for k in (1, 2)]
+        (m, k) for m in ("sliding", "sliding_fixed", "block") for k in (1, 2)
+    ]
     ar = rows[0]
     assert ar["block_size"] == 1 and ar["conversion"] == 1.0 and ar["tokens_per_forward"] == 1.0
     for r in rows:
@@ -188,8 +201,10 @@ def test_decode_step(accelerator):
 
 @pytest.mark.slow
 def test_transformers_beside_our_decoders(accelerator):
-    rows = [json.loads(line) for line in
-            (accelerator / "transformers" / "decode_speed.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (accelerator / "transformers" / "decode_speed.jsonl").read_text().splitlines()
+    ]
     assert [r["decoder"] for r in rows] == ["ar", "sliding", "transformers"]
     ar = rows[0]
     for r in rows:
@@ -209,12 +224,23 @@ def soak(tmp_path_factory):
     a shrunk tiny model with a small evaluation: (stdout, summary file, workdir)."""
     base = tmp_path_factory.mktemp("soak")
     workdir, output = base / "run", base / "soak.json"
-    out = run("benchmarks/soak.py", "--config=configs/tiny.py", f"--workdir={workdir}",
-              f"--output={output}", "--steps=2", "--eval_every=1", "--config.train.log_every=1",
-              "--config.train.batch_size=2", "--config.data.num_synthetic_train=8", *SMALL_MODEL,
-              "--config.eval.num_examples=2", "--config.eval.nll_examples=2",
-              "--config.eval.batch_size=2", "--config.eval.max_new_tokens=8",
-              "--config.eval.thresholds=(1.0,0.9)")
+    out = run(
+        "benchmarks/soak.py",
+        "--config=configs/tiny.py",
+        f"--workdir={workdir}",
+        f"--output={output}",
+        "--steps=2",
+        "--eval_every=1",
+        "--config.train.log_every=1",
+        "--config.train.batch_size=2",
+        "--config.data.num_synthetic_train=8",
+        *SMALL_MODEL,
+        "--config.eval.num_examples=2",
+        "--config.eval.nll_examples=2",
+        "--config.eval.batch_size=2",
+        "--config.eval.max_new_tokens=8",
+        "--config.eval.thresholds=(1.0,0.9)",
+    )
     return out, output, workdir
 
 
@@ -223,14 +249,24 @@ def test_soak(soak):
     out, output, workdir = soak
     summary = json.loads(output.read_text())
     assert json.loads(out[out.index("\n{\n") :]) == summary  # the summary printed last
-    segments = [json.loads(line.removeprefix("soak: "))
-                for line in out.splitlines() if line.startswith("soak: ")]
+    segments = [
+        json.loads(line.removeprefix("soak: "))
+        for line in out.splitlines()
+        if line.startswith("soak: ")
+    ]
     assert segments == summary["segments"]
     assert (summary["steps"], summary["eval_every"], summary["complete"]) == (2, 1, True)
     assert [s["step"] for s in segments] == [1, 2]
     for s in segments:
-        for key in ("loss", "ar_nll", "train_s", "eval_s", "rss_first_step_mib",
-                    "rss_last_step_mib", "rss_mib"):
+        for key in (
+            "loss",
+            "ar_nll",
+            "train_s",
+            "eval_s",
+            "rss_first_step_mib",
+            "rss_last_step_mib",
+            "rss_mib",
+        ):
             assert finite_positive(s[key]), (key, s)
         # Random init over 151,936 tokens: cross-entropies near ln(151936) = 11.9.
         assert 5 < s["loss"] < 15 and 5 < s["ar_nll"] < 15
@@ -241,9 +277,12 @@ def test_soak(soak):
     assert summary["compiles"] == sum(s["train_compiles"] + s["eval_compiles"] for s in segments)
     assert summary["compiles_after_warmup"] == second["train_compiles"] + second["eval_compiles"]
     assert (summary["warmup_rss_mib"], summary["final_rss_mib"]) == (
-        first["rss_mib"], second["rss_mib"])
+        first["rss_mib"],
+        second["rss_mib"],
+    )
     assert summary["rss_growth"] == pytest.approx(
-        (second["rss_mib"] - first["rss_mib"]) / first["rss_mib"], abs=1e-4)
+        (second["rss_mib"] - first["rss_mib"]) / first["rss_mib"], abs=1e-4
+    )
     assert (workdir / "config.json").exists() and (workdir / "checkpoints").is_dir()
 
 
@@ -252,12 +291,20 @@ def test_decode_speed(soak, tmp_path):
     """decode_speed's command (model "trained") on the soak's checkpoint: one prompt of 4 tokens
     at batch 1 and one threshold, AR, one MARS decoder and transformers' generate."""
     workdir = soak[2]
-    out = run("benchmarks/decode_speed.py", "--model=trained", f"--workdir={workdir}",
-              "--config=configs/tiny.py", "--num_prompts=1", "--max_new_tokens=4",
-              "--batch_sizes=1", "--thresholds=0.9", "--decoders=sliding,transformers",
-              "--repeats=1", f"--output_dir={tmp_path}")
-    rows = [json.loads(line)
-            for line in (tmp_path / "decode_speed.jsonl").read_text().splitlines()]
+    out = run(
+        "benchmarks/decode_speed.py",
+        "--model=trained",
+        f"--workdir={workdir}",
+        "--config=configs/tiny.py",
+        "--num_prompts=1",
+        "--max_new_tokens=4",
+        "--batch_sizes=1",
+        "--thresholds=0.9",
+        "--decoders=sliding,transformers",
+        "--repeats=1",
+        f"--output_dir={tmp_path}",
+    )
+    rows = [json.loads(line) for line in (tmp_path / "decode_speed.jsonl").read_text().splitlines()]
     assert [r["decoder"] for r in rows] == ["ar", "sliding", "transformers"]
     assert [r["threshold"] for r in rows] == [1.0, 0.9, 1.0]
     for r in rows:
@@ -286,11 +333,14 @@ def test_train_call_memory():
     """Two calls (the fewest with a growth figure) of one step each."""
     out = run("benchmarks/train_call_memory.py", "--calls=2", "--steps=1")
     lines = out.strip().splitlines()
-    rss = [float(re.fullmatch(rf"call {i + 1}: RSS (\d+) MiB", line).group(1))
-           for i, line in enumerate(lines[:-1])]
+    rss = [
+        float(re.fullmatch(rf"call {i + 1}: RSS (\d+) MiB", line).group(1))
+        for i, line in enumerate(lines[:-1])
+    ]
     assert len(rss) == 2 and all(100 < x < 1e5 for x in rss)
-    growth = re.fullmatch(r"growth from call 1 to call 2: (-?\d+\.\d)%; from call 2: (-?\d+\.\d)%",
-                          lines[-1])
+    growth = re.fullmatch(
+        r"growth from call 1 to call 2: (-?\d+\.\d)%; from call 2: (-?\d+\.\d)%", lines[-1]
+    )
     assert growth, lines[-1]
     # Printed RSS is rounded to the MiB: the growth computed from it agrees to 0.2%.
     assert float(growth.group(1)) == pytest.approx(100 * (rss[1] / rss[0] - 1), abs=0.2)
@@ -304,27 +354,38 @@ def test_hf_load_memory(tmp_path):
     """The docstring's command (no PYTHONPATH: the script puts the repository on sys.path) on
     configs/tiny.py's architecture: a 1-file bf16 checkpoint, loaded four ways."""
     m = tiny_config().model
-    layer = (m.hidden_size * m.num_heads * m.head_dim + m.num_heads * m.head_dim
-             + 2 * (m.hidden_size * m.num_kv_heads * m.head_dim + m.num_kv_heads * m.head_dim)
-             + m.num_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
-             + 2 * m.hidden_size)
+    layer = (
+        m.hidden_size * m.num_heads * m.head_dim
+        + m.num_heads * m.head_dim
+        + 2 * (m.hidden_size * m.num_kv_heads * m.head_dim + m.num_kv_heads * m.head_dim)
+        + m.num_heads * m.head_dim * m.hidden_size
+        + 3 * m.hidden_size * m.intermediate_size
+        + 2 * m.hidden_size
+    )
     params = m.vocab_size * m.hidden_size + m.num_layers * layer + m.hidden_size  # tied
     GiB = 2**30
 
     ckpt = tmp_path / "ckpt"
-    out = run("benchmarks/hf_load_memory.py", f"--checkpoint={ckpt}", "--shape=tiny",
-              pythonpath=False)
+    out = run(
+        "benchmarks/hf_load_memory.py", f"--checkpoint={ckpt}", "--shape=tiny", pythonpath=False
+    )
     lines = out.strip().splitlines()
     files = list(ckpt.glob("*.safetensors"))
     assert lines[0] == f"checkpoint {ckpt}: 1 files, {2 * params / GiB:.2f} GiB (bf16)"
     assert len(files) == 1 and 2 * params < files[0].stat().st_size < 2 * params + 2**20
-    pattern = (r"(\w+) +process (\d): peak RSS (\d+\.\d\d) GiB \(VmHWM (\d+\.\d\d), "
-               r"(\d+\.\d\d) before loading\), held (\d+\.\d\d) GiB, (\d+\.\d) s")
+    pattern = (
+        r"(\w+) +process (\d): peak RSS (\d+\.\d\d) GiB \(VmHWM (\d+\.\d\d), "
+        r"(\d+\.\d\d) before loading\), held (\d+\.\d\d) GiB, (\d+\.\d) s"
+    )
     found = [re.fullmatch(pattern, line) for line in lines[1:]]
     assert all(found), lines
     results = [(g[0], int(g[1]), *map(float, g[2:])) for g in (f.groups() for f in found)]
     assert [(r[0], r[1]) for r in results] == [
-        ("host", 0), ("sharded", 0), ("sharded2", 0), ("sharded2", 1)]
+        ("host", 0),
+        ("sharded", 0),
+        ("sharded2", 0),
+        ("sharded2", 1),
+    ]
     for mode, _, peak, hwm, before, held, _seconds in results:
         # fp32 parameters held: all of them in one process, half in each of two.
         share = 4 * params / (2 if mode == "sharded2" else 1) / GiB

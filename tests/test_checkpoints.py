@@ -20,8 +20,9 @@ from flax import nnx
 
 from mars_jax import settings, train
 from mars_jax import workdir as wd
-from conftest import python_env
 from mars_jax.checkpoints import CHECKSUMS, CheckpointError, Checkpoints, TrainState
+
+from conftest import python_env
 from train_runs import ROOT, cli_flags, flat_params, get_config
 
 
@@ -74,7 +75,8 @@ def test_checksums_cover_every_item_file(tmp_path):
         for path in (step_dir / item).rglob("*"):
             if path.is_file() and path.name != "commit_success.txt":
                 expected[str(path.relative_to(step_dir))] = [
-                    hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size
+                    hashlib.sha256(path.read_bytes()).hexdigest(),
+                    path.stat().st_size,
                 ]
     assert sums == expected
     assert any(name.startswith("params/") for name in sums)
@@ -125,8 +127,11 @@ def test_corrupted_file_names_step_and_file(tmp_path, damage):
         with pytest.raises(CheckpointError) as info:
             reader.restore_latest(abstract(tiny_state(0)))
         assert str(info.value).startswith(f"checkpoint step 2: {path}: ")
-        reason = {"flip": "corrupted", "truncate": f"{len(data) - 7} bytes, {len(data)} when",
-                  "delete": "missing"}[damage]
+        reason = {
+            "flip": "corrupted",
+            "truncate": f"{len(data) - 7} bytes, {len(data)} when",
+            "delete": "missing",
+        }[damage]
         assert reason in str(info.value)
         with pytest.raises(CheckpointError, match="checkpoint step 2: "):
             reader.restore_params(abstract(tiny_state(0)).params)
@@ -203,9 +208,7 @@ def test_a_second_training_process_on_a_workdir_stops(tmp_path):
         pass
 
 
-@pytest.mark.parametrize(
-    "key, value", [("train.max_to_keep", 0), ("train.keep_every", -1)]
-)
+@pytest.mark.parametrize("key, value", [("train.max_to_keep", 0), ("train.keep_every", -1)])
 def test_bad_retention_settings(key, value):
     with pytest.raises(settings.SettingError, match=f"^{key}={value}: must be >= "):
         settings.check(get_config("ar", **{key.replace(".", "__"): value}))
@@ -220,8 +223,15 @@ TIMEOUT_S = 300
 
 
 def train_command(workdir):
-    return [sys.executable, "-m", "mars_jax.train", "--config=configs/tiny.py",
-            f"--workdir={workdir}", *cli_flags(), *KILL_FLAGS]
+    return [
+        sys.executable,
+        "-m",
+        "mars_jax.train",
+        "--config=configs/tiny.py",
+        f"--workdir={workdir}",
+        *cli_flags(),
+        *KILL_FLAGS,
+    ]
 
 
 def run_until(workdir, log, event=None) -> int:
@@ -229,8 +239,13 @@ def run_until(workdir, log, event=None) -> int:
     SIGKILL as soon as ``event()`` holds (polled every 2 ms; it must still be running then).
     Returns the exit status."""
     with open(log, "w") as err:
-        proc = subprocess.Popen(train_command(workdir), cwd=ROOT, env=python_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            train_command(workdir),
+            cwd=ROOT,
+            env=python_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     deadline = time.time() + TIMEOUT_S
     try:
         while event is not None and not event():

@@ -12,14 +12,23 @@ def test_run_configs_cover_the_three_claims():
     # Block sizes 4, 8 and 16, each with and without the AR loss, and the first again with seed 1.
     assert (exp.block_sizes, exp.ar_weights, exp.extra_seeds) == ((4, 8, 16), (1.0, 0.0), (1,))
     assert list(runs) == [
-        "stage1", "ar_control", "mars_b4_ar1", "mars_b4_ar0", "mars_b8_ar1", "mars_b8_ar0",
-        "mars_b16_ar1", "mars_b16_ar0", "mars_b4_ar1_seed1",
+        "stage1",
+        "ar_control",
+        "mars_b4_ar1",
+        "mars_b4_ar0",
+        "mars_b8_ar1",
+        "mars_b8_ar0",
+        "mars_b16_ar1",
+        "mars_b16_ar0",
+        "mars_b4_ar1_seed1",
     ]
     first = "mars_b4_ar1"
     # The epoch-matched control trains as long as each MARS run, with the AR objective.
     assert runs["stage1"].train.num_steps == exp.stage1_steps
     assert runs["ar_control"].train.num_steps == exp.stage2_steps
-    assert runs["ar_control"].objective.name == "ar" and runs["ar_control"].objective.block_size == 1
+    assert (
+        runs["ar_control"].objective.name == "ar" and runs["ar_control"].objective.block_size == 1
+    )
     for b in exp.block_sizes:
         with_ar, without = runs[f"mars_b{b}_ar1"].objective, runs[f"mars_b{b}_ar0"].objective
         assert (with_ar.name, with_ar.block_size, with_ar.ar_weight) == ("mars", b, 1.0)
@@ -31,6 +40,7 @@ def test_run_configs_cover_the_three_claims():
     assert runs["stage1"].seed == exp.run.seed not in exp.extra_seeds
     # Every run is a valid config of the trainer.
     from mars_jax import settings
+
     for cfg in runs.values():
         settings.check(cfg, training=True)
 
@@ -41,8 +51,13 @@ def _report(step, accuracy_by_threshold, tpf, tokens_per_s=None):
         "step": step,
         "ar_nll": 0.5,
         "results": [
-            {"threshold": t, "accuracy": a, "tokens_per_forward": tpf[t], "agreement_with_ar": 1.0,
-             "tokens_per_s": tokens_per_s[t]}
+            {
+                "threshold": t,
+                "accuracy": a,
+                "tokens_per_forward": tpf[t],
+                "agreement_with_ar": 1.0,
+                "tokens_per_s": tokens_per_s[t],
+            }
             for t, a in accuracy_by_threshold.items()
         ],
     }
@@ -140,13 +155,20 @@ def test_an_evaluation_made_with_other_eval_settings_is_not_reused(tmp_path):
     import json
 
     cfg = claims.run_configs(claims_config.get_config("smoke"))["mars_b4_ar1"]
-    report = {"step": cfg.train.num_steps, "num_examples": cfg.eval.num_examples,
-              "cache_mode": cfg.eval.cache_mode, "rule": cfg.eval.rule,
-              "results": [{"threshold": float(t)} for t in cfg.eval.thresholds]}
+    report = {
+        "step": cfg.train.num_steps,
+        "num_examples": cfg.eval.num_examples,
+        "cache_mode": cfg.eval.cache_mode,
+        "rule": cfg.eval.rule,
+        "results": [{"threshold": float(t)} for t in cfg.eval.thresholds],
+    }
     (tmp_path / "eval.json").write_text(json.dumps(report))
     assert claims._finished_eval(str(tmp_path), cfg) == report
-    for key, other in (("num_examples", cfg.eval.num_examples + 1), ("cache_mode", "block"),
-                       ("rule", "verify")):
+    for key, other in (
+        ("num_examples", cfg.eval.num_examples + 1),
+        ("cache_mode", "block"),
+        ("rule", "verify"),
+    ):
         changed = cfg.copy_and_resolve_references()
         changed.eval[key] = other
         assert claims._finished_eval(str(tmp_path), changed) is None, key
@@ -166,8 +188,13 @@ def test_results_go_under_the_workdir_by_default(monkeypatch, tmp_path):
         "ar_control": _report(2, {1.0: 0.5}, tpf),
         "mars_b4_ar1": _report(2, {1.0: 0.75, 0.9: 0.625}, tpf),
     }
-    monkeypatch.setattr(claims, "run_each", lambda exp, root: (
-        (name, {"report": r, "train_s": 1.0, "eval_s": 1.0}) for name, r in fake.items()))
+    monkeypatch.setattr(
+        claims,
+        "run_each",
+        lambda exp, root: (
+            (name, {"report": r, "train_s": 1.0, "eval_s": 1.0}) for name, r in fake.items()
+        ),
+    )
     committed = sorted(os.listdir(os.path.join(os.path.dirname(claims.__file__), "results")))
 
     root = tmp_path / "runs"
@@ -180,7 +207,9 @@ def test_results_go_under_the_workdir_by_default(monkeypatch, tmp_path):
     assert sorted(os.listdir(elsewhere)) == ["smoke.json", "smoke.md", "smoke.png"]
     assert claims.results_dir("w") == os.path.join("w", "results")
     assert claims.results_dir("w", "x") == "x"
-    assert sorted(os.listdir(os.path.join(os.path.dirname(claims.__file__), "results"))) == committed
+    assert (
+        sorted(os.listdir(os.path.join(os.path.dirname(claims.__file__), "results"))) == committed
+    )
 
 
 def test_the_module_is_a_program():

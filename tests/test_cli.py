@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_python, tiny_config
 from mars_jax import cli, generate
 from mars_jax.rows import read_rows
+
+from conftest import ROOT, run_python, tiny_config
 
 
 def leaves(tree, prefix=""):
@@ -35,8 +36,14 @@ def test_help_exits_0_and_lists_show_config():
 
 @pytest.mark.subprocess
 def test_show_config_prints_every_key_with_overrides():
-    proc = run_python("-m", "mars_jax.train", "--config=configs/tiny.py:mars", "--show_config",
-                      "--config.train.batch_size=8", "--config.mesh.rules.embed=('data','fsdp')")
+    proc = run_python(
+        "-m",
+        "mars_jax.train",
+        "--config=configs/tiny.py:mars",
+        "--show_config",
+        "--config.train.batch_size=8",
+        "--config.mesh.rules.embed=('data','fsdp')",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = leaves(tiny_config("mars").to_dict())
     expected["train.batch_size"] = 8
@@ -51,8 +58,9 @@ def test_show_config_prints_every_key_with_overrides():
 
 @pytest.mark.subprocess
 def test_show_config_needs_no_workdir_but_a_run_does():
-    proc = run_python("-m", "mars_jax.evaluate", "--show_config", "--config.eval.rule=verify",
-                      check=False)
+    proc = run_python(
+        "-m", "mars_jax.evaluate", "--show_config", "--config.eval.rule=verify", check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval.rule = 'verify'" in proc.stdout.splitlines()
     proc = run_python("-m", "mars_jax.evaluate", check=False)
@@ -64,21 +72,24 @@ def test_show_config_needs_no_workdir_but_a_run_does():
 def test_bad_input_is_one_line(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": 3}) + "\n")
-    proc = run_python("-m", "mars_jax.generate", f"--workdir={tmp_path}",
-                      f"--prompts_file={prompts}", check=False)
+    proc = run_python(
+        "-m", "mars_jax.generate", f"--workdir={tmp_path}", f"--prompts_file={prompts}", check=False
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"error: {prompts}: row 2: 'prompt' must be a string, got 3"
     ], proc.stderr[-3000:]
-    proc = run_python("-m", "mars_jax.export", f"--workdir={tmp_path}", f"--output={tmp_path}/hf",
-                      check=False)
+    proc = run_python(
+        "-m", "mars_jax.export", f"--workdir={tmp_path}", f"--output={tmp_path}/hf", check=False
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path}/model.json not found: {tmp_path} is not a mars-jax run directory"
     ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    proc = run_python("-m", "mars_jax.train", "--config=configs/nope.py", f"--workdir={tmp_path}",
-                      check=False)
+    proc = run_python(
+        "-m", "mars_jax.train", "--config=configs/nope.py", f"--workdir={tmp_path}", check=False
+    )
     assert proc.returncode == 1
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("error: --config: ") and "No such file or directory" in line, line
@@ -100,15 +111,22 @@ def test_user_errors_are_ours_and_library_errors_are_not(tmp_path):
     assert not cli.is_user_error(ValueError("never raised"))
 
 
-@pytest.mark.parametrize("threshold, match", [
-    (2, r"row 2: 'threshold' must lie in \(0, 1\], got 2"),
-    (0, r"row 2: 'threshold' must lie in \(0, 1\], got 0"),
-    (True, r"row 2: 'threshold' must be a number, got True"),  # was read as 1.0
-])
+@pytest.mark.parametrize(
+    "threshold, match",
+    [
+        (2, r"row 2: 'threshold' must lie in \(0, 1\], got 2"),
+        (0, r"row 2: 'threshold' must lie in \(0, 1\], got 0"),
+        (True, r"row 2: 'threshold' must be a number, got True"),  # was read as 1.0
+    ],
+)
 def test_a_prompts_file_threshold_is_checked_naming_its_row(tmp_path, threshold, match):
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": "a", "threshold": 0.5}) + "\n"
-                    + json.dumps({"prompt": "b", "threshold": threshold}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "a", "threshold": 0.5})
+        + "\n"
+        + json.dumps({"prompt": "b", "threshold": threshold})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=rf"^{path}: " + match):
         generate.read_prompts(str(path))
 
@@ -116,10 +134,15 @@ def test_a_prompts_file_threshold_is_checked_naming_its_row(tmp_path, threshold,
 def test_user_errors_keep_their_builtin_bases():
     from mars_jax import checkpoints, errors, settings, workdir
 
-    for cls, base in [(errors.InputError, ValueError), (errors.SettingError, ValueError),
-                      (errors.NotFound, FileNotFoundError), (errors.MissingPath, FileNotFoundError),
-                      (errors.AlreadyExists, FileExistsError), (checkpoints.CheckpointError, ValueError),
-                      (workdir.WorkdirInUse, ValueError)]:
+    for cls, base in [
+        (errors.InputError, ValueError),
+        (errors.SettingError, ValueError),
+        (errors.NotFound, FileNotFoundError),
+        (errors.MissingPath, FileNotFoundError),
+        (errors.AlreadyExists, FileExistsError),
+        (checkpoints.CheckpointError, ValueError),
+        (workdir.WorkdirInUse, ValueError),
+    ]:
         assert issubclass(cls, errors.UserError) and issubclass(cls, base), cls
     assert settings.SettingError is errors.SettingError
     assert cli.is_user_error(errors.SettingError("train.batch_size", 0, "must be >= 1"))
@@ -144,8 +167,9 @@ cli.run(main)
 @pytest.mark.parametrize("kind", ["user", "value", "key"])
 def test_cli_run_prints_a_user_error_as_one_line_and_anything_else_with_its_traceback(kind):
     env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "KIND": kind}
-    proc = subprocess.run([sys.executable, "-c", _RUN], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     if kind == "user":

@@ -88,8 +88,11 @@ def test_every_shipped_config_validates(name, stage):
 def test_unknown_key_names_the_nearest_one():
     cfg = config.defaults()
     cfg.eval.rulee = "prob"
-    with pytest.raises(errors.SettingError, match=r"^eval\.rulee='prob': unknown config key; "
-                                                  r"did you mean 'eval\.rule'\?$"):
+    with pytest.raises(
+        errors.SettingError,
+        match=r"^eval\.rulee='prob': unknown config key; "
+        r"did you mean 'eval\.rule'\?$",
+    ):
         config.validate(cfg, training=False)
     cfg = config.defaults()
     cfg.objective.nonsense = 1
@@ -102,31 +105,54 @@ def test_keys_are_checked_with_the_package_alone(tmp_path):
     unknown keys are still refused: the schema is in the package."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "mars_jax").symlink_to(ROOT / "mars_jax")
-    code = ("from mars_jax import config\ncfg = config.defaults()\ncfg.train.batchsize = 3\n"
-            "config.validate(cfg, training=True)\n")
+    code = (
+        "from mars_jax import config\ncfg = config.defaults()\ncfg.train.batchsize = 3\n"
+        "config.validate(cfg, training=True)\n"
+    )
     env = {"PYTHONPATH": str(tmp_path / "site"), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 1
-    assert ("SettingError: train.batchsize=3: unknown config key; did you mean "
-            "'train.batch_size'?") in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "SettingError: train.batchsize=3: unknown config key; did you mean 'train.batch_size'?"
+    ) in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"eval__rule": "probs"}, r"^eval\.rule='probs': must be one of \('prob', "),
-    ({"eval__cache_mode": "slidng"}, r"^eval\.cache_mode='slidng': must be one of \('sliding', "),
-    ({"eval__rule": "verify", "eval__temperature": 0.7}, r"^eval\.rule='verify': .*temperature"),
-    ({"eval__rule": "verify", "eval__cache_mode": "block"}, r"^eval\.rule='verify': .*'block'"),
-    ({"eval__temperature": -1.0}, r"^eval\.temperature=-1\.0: must be >= 0"),
-    ({"model__remat": "all"}, r"^model\.remat='all': must be one of"),
-    ({"model__attention": "flash"}, r"^model\.attention='flash': must be one of"),
-    ({"objective__name": "diffusion"}, r"^objective\.name='diffusion': must be one of"),
-    ({"objective__normalization": "batch"}, r"^objective\.normalization='batch': must be one of"),
-    ({"objective__noisy_weighting": "inverse_t"}, r"needs objective\.name='mars'"),
-    ({"objective__ce_chunk_size": -1}, r"^objective\.ce_chunk_size=-1: must be >= 0"),
-])
-def test_evaluation_settings_are_refused_before_the_checkpoint_is_touched(overrides, match,
-                                                                          tmp_path):
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"eval__rule": "probs"}, r"^eval\.rule='probs': must be one of \('prob', "),
+        (
+            {"eval__cache_mode": "slidng"},
+            r"^eval\.cache_mode='slidng': must be one of \('sliding', ",
+        ),
+        (
+            {"eval__rule": "verify", "eval__temperature": 0.7},
+            r"^eval\.rule='verify': .*temperature",
+        ),
+        ({"eval__rule": "verify", "eval__cache_mode": "block"}, r"^eval\.rule='verify': .*'block'"),
+        ({"eval__temperature": -1.0}, r"^eval\.temperature=-1\.0: must be >= 0"),
+        ({"model__remat": "all"}, r"^model\.remat='all': must be one of"),
+        ({"model__attention": "flash"}, r"^model\.attention='flash': must be one of"),
+        ({"objective__name": "diffusion"}, r"^objective\.name='diffusion': must be one of"),
+        (
+            {"objective__normalization": "batch"},
+            r"^objective\.normalization='batch': must be one of",
+        ),
+        ({"objective__noisy_weighting": "inverse_t"}, r"needs objective\.name='mars'"),
+        ({"objective__ce_chunk_size": -1}, r"^objective\.ce_chunk_size=-1: must be >= 0"),
+    ],
+)
+def test_evaluation_settings_are_refused_before_the_checkpoint_is_touched(
+    overrides, match, tmp_path
+):
     """The workdir does not exist: loading it would raise FileNotFoundError, so a SettingError
     shows the setting was refused first (these were refused only after the model loaded)."""
     from mars_jax import evaluate
@@ -168,9 +194,16 @@ def test_objective_config_is_typed_and_frozen():
     labels = [[IGNORE_INDEX] * 3 + [5] * 9, [IGNORE_INDEX] + [5] * 3]
     examples = [Example(np.asarray(l), np.asarray(l), i) for i, l in enumerate(labels)]
     obj = train_step.objective_settings(cfg, 7, examples)
-    assert obj == config.ObjectiveConfig(name="mars", block_size=4, ar_weight=1.0,
-                                         noisy_weighting="none", normalization="sequence",
-                                         max_label_tokens=16, ce_chunk_size=0, mask_id=7)
+    assert obj == config.ObjectiveConfig(
+        name="mars",
+        block_size=4,
+        ar_weight=1.0,
+        noisy_weighting="none",
+        normalization="sequence",
+        max_label_tokens=16,
+        ce_chunk_size=0,
+        mask_id=7,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         obj.block_size = 8
     cfg.objective.max_label_tokens = 24
@@ -180,13 +213,16 @@ def test_objective_config_is_typed_and_frozen():
         config.ObjectiveConfig(normalization="batch")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"threshold": 2.0}, r"^threshold must lie in \(0, 1\], got 2.0"),
-    ({"threshold": [0.5, 0.0]}, r"^threshold must lie in \(0, 1\], got 0.0"),
-    ({"rule": "verify", "temperature": 1.0}, r"^rule='verify' reproduces greedy AR decoding"),
-    ({"cache_mode": "slidng"}, r"^cache_mode must be one of"),
-    ({"block_size": 0}, r"^block_size must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"threshold": 2.0}, r"^threshold must lie in \(0, 1\], got 2.0"),
+        ({"threshold": [0.5, 0.0]}, r"^threshold must lie in \(0, 1\], got 0.0"),
+        ({"rule": "verify", "temperature": 1.0}, r"^rule='verify' reproduces greedy AR decoding"),
+        ({"cache_mode": "slidng"}, r"^cache_mode must be one of"),
+        ({"block_size": 0}, r"^block_size must be >= 1, got 0"),
+    ],
+)
 def test_generate_refuses_decoding_arguments_before_loading(kwargs, match, tmp_path):
     from mars_jax import generate
 
@@ -206,10 +242,20 @@ def test_a_config_importing_configs_loads_from_another_directory(name, tmp_path)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "mars_jax").symlink_to(ROOT / "mars_jax")
     proc = subprocess.run(
-        [sys.executable, "-m", "mars_jax.train", f"--config={ROOT}/configs/{name}.py:mars",
-         "--show_config"],
-        cwd=tmp_path, env=_env(PYTHONPATH=str(tmp_path / "site"), JAX_PLATFORMS="cpu"),
-        capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            "-m",
+            "mars_jax.train",
+            f"--config={ROOT}/configs/{name}.py:mars",
+            "--show_config",
+        ],
+        cwd=tmp_path,
+        env=_env(PYTHONPATH=str(tmp_path / "site"), JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "objective.name = 'mars'" in proc.stdout.splitlines()
     expected = importlib.import_module(f"configs.{name}").get_config("mars")
@@ -241,10 +287,21 @@ def test_no_libtpu_errors_without_jax_platforms(tmp_path):
     if platforms.accelerator_attached():
         pytest.skip("an accelerator is attached: JAX may use it")
     proc = subprocess.run(
-        [sys.executable, "-m", "mars_jax.train", f"--config={ROOT}/configs/tiny.py",
-         f"--workdir={tmp_path / 'run'}", "--config.data.num_synthetic_train=1"],
-        cwd=tmp_path, env=_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-        timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "mars_jax.train",
+            f"--config={ROOT}/configs/tiny.py",
+            f"--workdir={tmp_path / 'run'}",
+            "--config.data.num_synthetic_train=1",
+        ],
+        cwd=tmp_path,
+        env=_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == "error: train.batch_size=16: 1 examples cannot fill a batch of 16", lines

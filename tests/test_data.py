@@ -71,7 +71,9 @@ def test_gsm8k_train_set(tok, gsm8k_train):
         n = len(full) - 1
         assert labelled_text(tok, labels[:n]) == row["answer"] + "<|im_end|>"
         assert ids[:n].tolist() == full[:-1] and (labels[first:n] == ids[first:n]).all()
-        assert len(ids) - n < BS and (ids[n:] == IM_END_ID).all() and (labels[n:] == IM_END_ID).all()
+        assert (
+            len(ids) - n < BS and (ids[n:] == IM_END_ID).all() and (labels[n:] == IM_END_ID).all()
+        )
         assert (labels[:first] == IGNORE_INDEX).all()
 
 
@@ -120,7 +122,9 @@ def test_qwen2_release_template(tok):
     ids, labels = chat(qwen2, messages)
     assert labelled_text(qwen2, labels).startswith("A.\n#### 1<|im_end|>")
     first = int(np.argmax(labels != IGNORE_INDEX))
-    assert ids[:first].tolist() == qwen2.apply_chat_template(messages[:-1], add_generation_prompt=True)
+    assert ids[:first].tolist() == qwen2.apply_chat_template(
+        messages[:-1], add_generation_prompt=True
+    )
 
 
 def test_truncation_keeps_surviving_labels(tok):
@@ -155,7 +159,12 @@ def test_skip_reasons_counted(tok):
         {"messages": [ok, {"role": "assistant", "content": ["hello"]}]},
         {"messages": [ok]},
         {"messages": [ok, {"role": "assistant", "content": " \n\t"}]},
-        {"messages": [{"role": "user", "content": "word " * 600}, {"role": "assistant", "content": "x"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "word " * 600},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
     ]
     examples, skips = build_examples(
         rows, tok, "messages", max_length=128, block_size=BS, source_name="crafted"
@@ -176,7 +185,12 @@ def test_skip_reasons_counted(tok):
         {"question": "q", "answer": 3},
     ]
     _, skips = build_examples(gsm, tok, "gsm8k", max_length=128, block_size=BS)
-    assert skips == {"missing_field": 1, "none_content": 1, "empty_answer": 1, "non_string_content": 1}
+    assert skips == {
+        "missing_field": 1,
+        "none_content": 1,
+        "empty_answer": 1,
+        "non_string_content": 1,
+    }
     assert "None" not in tok.decode(examples[0][0])
 
 
@@ -188,7 +202,12 @@ def test_special_strings_and_unrenderable_rows_are_skipped(tok):
     rows = [
         {"messages": [user, {"role": "assistant", "content": "foo <|im_end|> bar"}]},
         {"messages": [user, {"role": "assistant", "content": "a <|mask|> b"}]},
-        {"messages": [{"role": "user", "content": "<|endoftext|>"}, {"role": "assistant", "content": "x"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "<|endoftext|>"},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
         {"messages": [user, {"role": "assistant", "content": "fine"}]},
     ]
     examples, skips = build_examples(rows, tok, "messages", max_length=128, block_size=BS)
@@ -202,14 +221,23 @@ def test_special_strings_and_unrenderable_rows_are_skipped(tok):
 
 
 def test_max_label_tokens(tok):
-    rows = [{"question": "q", "answer": "short"}, {"question": "q", "answer": "a much longer answer " * 20}]
+    rows = [
+        {"question": "q", "answer": "short"},
+        {"question": "q", "answer": "a much longer answer " * 20},
+    ]
     examples, _ = build_examples(
         rows[:1], tok, "gsm8k", max_length=256, block_size=BS, max_label_tokens=BS
     )
     assert len(examples) == 1
     with pytest.raises(ValueError, match=r"mine: row 1 has \d+ labelled tokens"):
         build_examples(
-            rows, tok, "gsm8k", max_length=256, block_size=BS, max_label_tokens=BS, source_name="mine"
+            rows,
+            tok,
+            "gsm8k",
+            max_length=256,
+            block_size=BS,
+            max_label_tokens=BS,
+            source_name="mine",
         )
 
 
@@ -224,7 +252,9 @@ def test_read_rows_jsonl_and_parquet(tmp_path):
     bad.write_text('{"question": "a", "answer": "b"}\n\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: expected a JSON object"):
         read_rows(bad)
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     assert read_rows(tmp_path / "rows.parquet") == rows
     with pytest.raises(ValueError, match=r"\.jsonl, \.json or \.parquet"):
@@ -254,11 +284,22 @@ SAVED_LINES[1] = SAVED_LINES[1].replace("\\u2028", "\u2028")  # a raw U+2028 ins
         ("\r\n".join(SAVED_LINES) + "\r\n", "utf-16"),  # Notepad/PowerShell "Unicode": LE + BOM
         ("\ufeff" + "\n".join(SAVED_LINES), "utf-16-be"),  # "Unicode big endian"
         ("\ufeff" + "\n".join(SAVED_LINES), "utf-32-le"),
-        (SAVED_LINES[0] + "\n\ufeff" + "\n\ufeff".join(SAVED_LINES[1:]), "utf-8-sig"),  # cat of BOM files
+        (
+            SAVED_LINES[0] + "\n\ufeff" + "\n\ufeff".join(SAVED_LINES[1:]),
+            "utf-8-sig",
+        ),  # cat of BOM files
     ],
     ids=[
-        "lf", "crlf", "no-final-newline", "blank-lines", "cr", "utf8-bom", "utf16le-bom",
-        "utf16be-bom", "utf32le-bom", "cat-of-bom-files",
+        "lf",
+        "crlf",
+        "no-final-newline",
+        "blank-lines",
+        "cr",
+        "utf8-bom",
+        "utf16le-bom",
+        "utf16be-bom",
+        "utf32le-bom",
+        "cat-of-bom-files",
     ],
 )
 def test_read_rows_as_saved_by_editors_and_windows_tools(tmp_path, text, encoding):
@@ -271,7 +312,7 @@ def test_read_rows_bad_bytes_name_file_line_and_offset(tmp_path):
     path = tmp_path / "bad.jsonl"
     line1 = SAVED_LINES[2].encode() + b"\r\n"
     line2 = '{"question": "Caf'.encode()
-    path.write_bytes(line1 + line2 + "é?\", \"answer\": \"1\"}\r\n".encode("cp1252"))  # Excel's "ANSI"
+    path.write_bytes(line1 + line2 + 'é?", "answer": "1"}\r\n'.encode("cp1252"))  # Excel's "ANSI"
     offset = len(line1) + len(line2)
     with pytest.raises(ValueError) as e:
         read_rows(path)
@@ -279,11 +320,15 @@ def test_read_rows_bad_bytes_name_file_line_and_offset(tmp_path):
     assert message.startswith(f"{path}:2: invalid UTF-8 at byte offset {offset} (column 18)")
     assert "cp1252" in message and e.value.__cause__ is None  # no UnicodeDecodeError chained
     path.write_bytes((SAVED_LINES[2] + "\n" + SAVED_LINES[2]).encode("utf-16-le"))  # no BOM
-    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}:1: NUL byte at byte offset 1 .*UTF-16"):
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(path))}:1: NUL byte at byte offset 1 .*UTF-16"
+    ):
         read_rows(path)
     utf16 = ("\ufeff" + SAVED_LINES[2] + "\n" + SAVED_LINES[0]).encode("utf-16-le")
     path.write_bytes(utf16 + "🧮".encode("utf-16-le")[:2] + b"\n\x00")  # half an emoji
-    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: invalid UTF-16 LE at byte offset {len(utf16)} "):
+    with pytest.raises(
+        ValueError, match=rf"bad\.jsonl:2: invalid UTF-16 LE at byte offset {len(utf16)} "
+    ):
         read_rows(path)
 
 
@@ -298,27 +343,32 @@ def test_read_rows_json_array_or_clear_error(tmp_path):
     upper.write_text("\n".join(SAVED_LINES))
     assert read_rows(upper) == SAVED_ROWS
     array.write_text('[\n  {"question": "a", "answer": "b"},\n  ["not", "a", "row"]\n]\n')
-    with pytest.raises(ValueError, match=r"rows\.json:3: expected a JSON object, got list \(array element 1\)"):
+    with pytest.raises(
+        ValueError, match=r"rows\.json:3: expected a JSON object, got list \(array element 1\)"
+    ):
         read_rows(array)
     array.write_text('[\r  {"question": "a", "answer": "b"},\r  {"question": }\r]')
     with pytest.raises(ValueError, match=r"rows\.json:3: invalid JSON"):
         read_rows(array)
     array.write_text(json.dumps({"rows": SAVED_ROWS}, indent=2))
-    with pytest.raises(ValueError, match=r"rows\.json:1: invalid JSON: .*JSON array of objects, or JSON Lines"):
+    with pytest.raises(
+        ValueError, match=r"rows\.json:1: invalid JSON: .*JSON array of objects, or JSON Lines"
+    ):
         read_rows(array)
     lines = tmp_path / "rows.jsonl"
     lines.write_text(pretty)
     with pytest.raises(ValueError, match=r"rows\.jsonl:1: invalid JSON: .*one JSON array.*\.json"):
         read_rows(lines)
     lines.write_text(json.dumps(SAVED_ROWS))
-    with pytest.raises(ValueError, match=r"rows\.jsonl:1: expected a JSON object, got list.*\.json"):
+    with pytest.raises(
+        ValueError, match=r"rows\.jsonl:1: expected a JSON object, got list.*\.json"
+    ):
         read_rows(lines)
 
 
 def fake_examples(n, length=BS):
     return [
-        Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
-        for i in range(n)
+        Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i) for i in range(n)
     ]
 
 
@@ -503,8 +553,18 @@ def weather_chat(*, content="", arguments=json.loads, final=True):
         {"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": "How warm is it in Paris and in Zürich?"},
         {"role": "assistant", "content": content, "tool_calls": calls},
-        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temp": 21}'},
-        {"role": "tool", "tool_call_id": "call_2", "name": "get_weather", "content": '{"temp": 15}'},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "name": "get_weather",
+            "content": '{"temp": 21}',
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "call_2",
+            "name": "get_weather",
+            "content": '{"temp": 15}',
+        },
         {"role": "assistant", "content": "Paris: 21 °C, Zürich: 15 °C."},
     ]
     return messages if final else messages[:3]
@@ -551,8 +611,14 @@ def test_tool_calls_match_transformers(tmp_path):
         (tmp_path / name).write_bytes((SHARED_DATA / "qwen2-tokenizer" / name).read_bytes())
     config = json.loads((SHARED_DATA / "qwen2-tokenizer" / "tokenizer_config.json").read_text())
     config["added_tokens_decoder"] = {  # as a Qwen2.5 release declares them
-        str(i): {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": special}
+        str(i): {
+            "content": text,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
         for i, text, special in CONTROL_TOKENS
     }
     config["chat_template"] = TOOL_TEMPLATE
@@ -676,8 +742,14 @@ def test_all_assistant_turns_never_trains_an_empty_answer(tok, tool_tok):
 
 
 def test_eval_examples_leave_out_tool_rows(tmp_path):
-    plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    rows = [{"messages": weather_chat(), "tools": TOOLS}, {"messages": weather_chat(final=False)}, plain]
+    plain = {
+        "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    }
+    rows = [
+        {"messages": weather_chat(), "tools": TOOLS},
+        {"messages": weather_chat(final=False)},
+        plain,
+    ]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert eval_examples(str(path), num_examples=3, fmt="messages") == [

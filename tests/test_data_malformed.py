@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import tiny_config
 from mars_jax import settings, train
 from mars_jax.batches import build_examples
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import read_rows
 from mars_jax.tokenizer import IM_END_ID, load_tokenizer
+
+from conftest import tiny_config
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
@@ -36,8 +37,20 @@ IM_END = "<|im_end|>"
 SPECIAL = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|mask|>", "<|vision_pad|>"]
 # Text kept as is: the tokenizer's NFC normalization leaves it unchanged.
 WORDS = [
-    "apple", "Zoë", "naïve café", "数学", "🧮", "x = 3 * 4", "  spaced  ", "a\r\nb", "tab\there",
-    "line\u2028sep", "\ufeffzero-width", "<tool_call>", "{{ not jinja }}", "#### 42",
+    "apple",
+    "Zoë",
+    "naïve café",
+    "数学",
+    "🧮",
+    "x = 3 * 4",
+    "  spaced  ",
+    "a\r\nb",
+    "tab\there",
+    "line\u2028sep",
+    "\ufeffzero-width",
+    "<tool_call>",
+    "{{ not jinja }}",
+    "#### 42",
 ]
 
 
@@ -65,14 +78,16 @@ def kept(rng, messages_before, end=b"\n", prefix=b""):
 # ("kept", content): its labels decode to content + <|im_end|>; ("cut", content): kept, cut
 # at MAX_LENGTH inside content; ("blank", None): ignored.
 def invalid_json(rng):
-    text = rng.choice([
-        b'{"messages": [',  # cut off
-        b"{'messages': []}",  # single quotes
-        b'{"messages": [],}',  # trailing comma
-        b"hello",
-        b'{"messages": "a\x01b"}',  # a raw control character in a string
-        b"[" * 50_000,  # deeper than Python's json reads
-    ])
+    text = rng.choice(
+        [
+            b'{"messages": [',  # cut off
+            b"{'messages': []}",  # single quotes
+            b'{"messages": [],}',  # trailing comma
+            b"hello",
+            b'{"messages": "a\x01b"}',  # a raw control character in a string
+            b"[" * 50_000,  # deeper than Python's json reads
+        ]
+    )
     return text + b"\n", ("line", "invalid_json")
 
 
@@ -95,19 +110,21 @@ def nul_byte(rng):
 
 
 def missing_field(rng):
-    obj = rng.choice([
-        {},
-        {"question": "q", "answer": "a"},  # a GSM8K row read as messages
-        {"messages": None},
-        {"messages": "hi"},
-        {"messages": 3},
-        {"messages": {"role": "user", "content": "hi"}},
-        {"messages": [user(), {"content": "no role"}]},
-        {"messages": [user(), {"role": "assistant"}]},
-        {"messages": [user(), "not a message", assistant("x")]},
-        {"messages": [None, assistant("x")]},
-        {"messages": [[user()], assistant("x")]},
-    ])
+    obj = rng.choice(
+        [
+            {},
+            {"question": "q", "answer": "a"},  # a GSM8K row read as messages
+            {"messages": None},
+            {"messages": "hi"},
+            {"messages": 3},
+            {"messages": {"role": "user", "content": "hi"}},
+            {"messages": [user(), {"content": "no role"}]},
+            {"messages": [user(), {"role": "assistant"}]},
+            {"messages": [user(), "not a message", assistant("x")]},
+            {"messages": [None, assistant("x")]},
+            {"messages": [[user()], assistant("x")]},
+        ]
+    )
     return line(obj) + b"\n", ("row", "missing_field")
 
 
@@ -118,12 +135,14 @@ def none_content(rng):
 
 def non_string_content(rng):
     bad = rng.choice([3, 2.5, True, ["a"], {"text": "a"}])
-    messages = rng.choice([
-        [user(bad), assistant("x")],
-        [user(), assistant(bad)],
-        [{"role": bad, "content": "q"}, assistant("x")],
-        [{"role": "user", "content": "q", "name": bad}, assistant("x")],
-    ])
+    messages = rng.choice(
+        [
+            [user(bad), assistant("x")],
+            [user(), assistant(bad)],
+            [{"role": bad, "content": "q"}, assistant("x")],
+            [{"role": "user", "content": "q", "name": bad}, assistant("x")],
+        ]
+    )
     return line({"messages": messages}) + b"\n", ("row", "non_string_content")
 
 
@@ -139,12 +158,14 @@ def no_assistant_turn(rng):
 
 def special_token(rng):
     text = f"before {rng.choice(SPECIAL)} after"
-    messages = rng.choice([
-        [user(text), assistant("x")],
-        [user(), assistant(text)],
-        [{"role": "system", "content": text}, user(), assistant("x")],
-        [{"role": f"user{text}", "content": "q"}, assistant("x")],
-    ])
+    messages = rng.choice(
+        [
+            [user(text), assistant("x")],
+            [user(), assistant(text)],
+            [{"role": "system", "content": text}, user(), assistant("x")],
+            [{"role": f"user{text}", "content": "q"}, assistant("x")],
+        ]
+    )
     return line({"messages": messages}) + b"\n", ("row", "special_token_in_content")
 
 
@@ -182,14 +203,16 @@ def long_answer(rng):
 
 
 def roles_out_of_order(rng):
-    before = rng.choice([
-        [],  # the assistant first
-        [assistant("first"), user()],
-        [user(), user("again")],
-        [assistant("a"), assistant("b")],
-        [user(), {"role": "narrator", "content": "meanwhile"}],
-        [{"role": "", "content": "empty role"}],
-    ])
+    before = rng.choice(
+        [
+            [],  # the assistant first
+            [assistant("first"), user()],
+            [user(), user("again")],
+            [assistant("a"), assistant("b")],
+            [user(), {"role": "narrator", "content": "meanwhile"}],
+            [{"role": "", "content": "empty role"}],
+        ]
+    )
     row, outcome = kept(rng, before)
     if rng.random() < 0.5:  # a user turn after the final assistant turn: not trained on
         obj = json.loads(row)
@@ -200,12 +223,14 @@ def roles_out_of_order(rng):
 
 def several_system_turns(rng):
     system = {"role": "system", "content": "Be brief."}
-    before = rng.choice([
-        [system, dict(system, content="Be kind."), user()],
-        [user(), system],
-        [system, user(), assistant("4"), system, user()],
-        [dict(system, content=""), user("")],  # empty strings
-    ])
+    before = rng.choice(
+        [
+            [system, dict(system, content="Be kind."), user()],
+            [user(), system],
+            [system, user(), assistant("4"), system, user()],
+            [dict(system, content=""), user("")],  # empty strings
+        ]
+    )
     return kept(rng, before)
 
 
@@ -222,11 +247,26 @@ def blank(rng):
 
 
 GENERATORS = {  # generator: relative frequency (a 100,000-character row takes ~0.1 s to tokenize)
-    invalid_json: 6, not_an_object: 4, invalid_utf8: 6, nul_byte: 3, missing_field: 11,
-    none_content: 4, non_string_content: 8, empty_answer: 4, no_assistant_turn: 3,
-    special_token: 8, lone_surrogate: 4, bad_tools: 3, bad_tool_calls: 2, orphan_tool_message: 2,
-    long_prompt: 0.05, long_answer: 0.05, roles_out_of_order: 12, several_system_turns: 8,
-    line_breaks_and_marks: 10, blank: 4,
+    invalid_json: 6,
+    not_an_object: 4,
+    invalid_utf8: 6,
+    nul_byte: 3,
+    missing_field: 11,
+    none_content: 4,
+    non_string_content: 8,
+    empty_answer: 4,
+    no_assistant_turn: 3,
+    special_token: 8,
+    lone_surrogate: 4,
+    bad_tools: 3,
+    bad_tool_calls: 2,
+    orphan_tool_message: 2,
+    long_prompt: 0.05,
+    long_answer: 0.05,
+    roles_out_of_order: 12,
+    several_system_turns: 8,
+    line_breaks_and_marks: 10,
+    blank: 4,
 }
 
 
@@ -251,8 +291,10 @@ def write_parts(tmp_path, seed=0):
     for i, (bom, lines) in enumerate([(b"\xef\xbb\xbf", mixed[:half]), (b"", mixed[half:])]):
         lines = [gsm8k[i]] + lines  # a plain first line: no accidental byte-order mark
         if bom:
-            lines = [(text, ("line", "invalid_json") if out == ("line", "nul_byte") else out)
-                     for text, out in lines]
+            lines = [
+                (text, ("line", "invalid_json") if out == ("line", "nul_byte") else out)
+                for text, out in lines
+            ]
         path = tmp_path / f"part{i}.jsonl"
         path.write_bytes(bom + b"".join(text for text, _ in lines))
         paths.append(path)
@@ -286,7 +328,12 @@ def test_malformed_rows_are_skipped_by_reason_and_kept_rows_label_their_answer(t
         num_lines, bad = expected_lines(out)
         rows += read_rows(path, max_bad_fraction=len(bad) / num_lines, skips=skips)
     examples, row_skips = build_examples(
-        rows, tok, "messages", max_length=MAX_LENGTH, block_size=BS, source_name="mixture",
+        rows,
+        tok,
+        "messages",
+        max_length=MAX_LENGTH,
+        block_size=BS,
+        source_name="mixture",
         truncate=False,
     )
     skips.update(row_skips)
@@ -297,10 +344,22 @@ def test_malformed_rows_are_skipped_by_reason_and_kept_rows_label_their_answer(t
     expected["too_long"] = sum(kind == "cut" for kind, _ in flat)  # truncate=False skips them
     assert skips == expected, (skips - expected, expected - skips)
     assert set(expected) == {  # every reason the generators make occurs
-        "invalid_json", "not_an_object", "invalid_utf8", "nul_byte", "missing_field",
-        "none_content", "non_string_content", "empty_answer", "no_assistant_turn",
-        "special_token_in_content", "lone_surrogate", "bad_tools", "bad_tool_calls",
-        "orphan_tool_message", "prompt_too_long", "too_long",
+        "invalid_json",
+        "not_an_object",
+        "invalid_utf8",
+        "nul_byte",
+        "missing_field",
+        "none_content",
+        "non_string_content",
+        "empty_answer",
+        "no_assistant_turn",
+        "special_token_in_content",
+        "lone_surrogate",
+        "bad_tools",
+        "bad_tool_calls",
+        "orphan_tool_message",
+        "prompt_too_long",
+        "too_long",
     }
     answers = [content for kind, content in flat if kind == "kept"]
     assert len(examples) == len(answers)
@@ -369,7 +428,9 @@ def test_config_key_reaches_training_data(tmp_path, tok):
     cfg.data.update(source="gsm8k", train_path=str(path), max_bad_fraction=0.25)
     examples = train.load_train_examples(cfg, tok)
     assert [tok.decode(ids[labels != IGNORE_INDEX]) for ids, labels, _ in examples] == [
-        "a0", "a1", "a2"
+        "a0",
+        "a1",
+        "a2",
     ]
     cfg.data.max_bad_fraction = 0.2
     match = rf"^{re.escape(str(path))}:2: invalid JSON: .*1 of 4 non-blank"

@@ -6,6 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mars_jax import decode
+from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
+
 from decode_oracles import (
     MAX_NEW,
     Uncached,
@@ -16,8 +19,6 @@ from decode_oracles import (
     reference_mars,
     swap_head_columns,
 )
-from mars_jax import decode
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,7 @@ def peaked():
 def test_threshold_one_is_greedy_ar(which, request):
     model = request.getfixturevalue(which)
     ids, lengths, prompts = make_batch([3, 9, 6, 1], seed=1)
-    out = decode.generate(
-        model, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW
-    )
+    out = decode.generate(model, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW)
     fwd = Uncached(model, ids.shape[1] + MAX_NEW + 4)
     max_probs = []
     for r, p in enumerate(prompts):
@@ -112,10 +111,14 @@ def test_mask_id_is_used(mid):
         for p in prompts
     ]
     assert_matches_references(out, refs)
-    default = decode.generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
-    assert not np.array_equal(default.tokens, out.tokens) or not np.array_equal(
-        default.accepted, out.accepted
-    ) or not np.array_equal(default.row_forwards, out.row_forwards)
+    default = decode.generate(
+        mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
+    )
+    assert (
+        not np.array_equal(default.tokens, out.tokens)
+        or not np.array_equal(default.accepted, out.accepted)
+        or not np.array_equal(default.row_forwards, out.row_forwards)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,8 +129,12 @@ def test_prompt_alone_equals_prompt_in_batch(mid):
     ids, lengths, prompts = make_batch([4, 10, 7], seed=4)
     target = 0  # the shortest row: the most padding in the batch
     alone = decode.generate(
-        mid, ids[target:target + 1, : lengths[target]], lengths[target:target + 1],
-        block_size=4, threshold=0.9, max_new_tokens=MAX_NEW,
+        mid,
+        ids[target : target + 1, : lengths[target]],
+        lengths[target : target + 1],
+        block_size=4,
+        threshold=0.9,
+        max_new_tokens=MAX_NEW,
     )
     assert alone.tokens_per_forward > 1.0
     # The same prompt inside batches of different widths and padding ids.
@@ -195,8 +202,9 @@ def test_per_row_seeds(mid):
     seeds = [11, 0, 2**32 - 1]
     out = decode.generate(mid, ids, lengths, seed=seeds, **SAMPLE)
     for r, s in enumerate(seeds):
-        alone = decode.generate(mid, ids[r : r + 1, : lengths[r]], lengths[r : r + 1], seed=s,
-                                **SAMPLE)
+        alone = decode.generate(
+            mid, ids[r : r + 1, : lengths[r]], lengths[r : r + 1], seed=s, **SAMPLE
+        )
         for f in ("tokens", "lengths", "accepted", "row_forwards"):
             assert getattr(out, f)[r].tolist() == getattr(alone, f)[0].tolist(), (r, f)
     flipped = decode.generate(mid, ids[::-1], lengths[::-1], seed=seeds[::-1], **SAMPLE)
@@ -228,7 +236,9 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
     # and that neither occurred before it in the completion nor in a candidate role for EOS.
     pick = None
     for r, p in enumerate(prompts):
-        completion, _, _, steps = reference_mars(fwd, p, block_size=4, threshold=0.9, max_new=MAX_NEW)
+        completion, _, _, steps = reference_mars(
+            fwd, p, block_size=4, threshold=0.9, max_new=MAX_NEW
+        )
         assert IM_END_ID not in completion
         pos = 0
         for s in steps:
@@ -255,7 +265,12 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
 
     # Without <|im_end|> among the EOS ids the row runs on past it.
     out = decode.generate(
-        model, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW,
+        model,
+        ids,
+        lengths,
+        block_size=4,
+        threshold=0.9,
+        max_new_tokens=MAX_NEW,
         eos_ids=(ENDOFTEXT_ID,),
     )
     assert out.tokens[row, cut] == IM_END_ID
@@ -265,7 +280,9 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
 @pytest.mark.parametrize("budget", [1, 5, 7])
 def test_max_new_tokens_is_respected(peaked, budget):
     ids, lengths, prompts = make_batch([3, 9, 6], seed=5)
-    full = decode.generate(peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    full = decode.generate(
+        peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
+    )
     assert full.tokens_per_forward > 1.5 and np.all(full.lengths == MAX_NEW)
     out = decode.generate(peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=budget)
     assert out.tokens.shape == (3, budget)
@@ -288,7 +305,9 @@ def test_sampling_is_seeded(flat, mid):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.accepted, b.accepted)
     assert np.mean(a.tokens != c.tokens) > 0.5  # a near-uniform model: almost every token differs
-    greedy = decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    greedy = decode.generate(
+        flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
+    )
     assert np.mean(a.tokens != greedy.tokens) > 0.5
     # Confidence is the sampled token's probability, tiny on a flat model: one token per forward.
     assert a.tokens_per_forward == 1.0
@@ -337,8 +356,9 @@ def test_invalid_arguments(flat):
 
 def test_pad_prompts():
     ids, lengths = decode.pad_prompts([[5, 6, 7], [8]], pad_id=ENDOFTEXT_ID, rows=3)
-    np.testing.assert_array_equal(ids, [[5, 6, 7], [8, ENDOFTEXT_ID, ENDOFTEXT_ID],
-                                        [ENDOFTEXT_ID] * 3])
+    np.testing.assert_array_equal(
+        ids, [[5, 6, 7], [8, ENDOFTEXT_ID, ENDOFTEXT_ID], [ENDOFTEXT_ID] * 3]
+    )
     np.testing.assert_array_equal(lengths, [3, 1, 1])
     assert ids.dtype == lengths.dtype == np.int32
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -383,8 +403,9 @@ def test_generate_batched_gives_each_prompt_its_seed(mid):
         for f in ("tokens", "lengths", "accepted", "row_forwards"):
             np.testing.assert_array_equal(getattr(other, f)[rows], getattr(by_two, f), err_msg=f)
     for i in (0, 3):
-        alone = decode.generate(mid, np.asarray([prompts[i]]), [len(prompts[i])], seed=7 + i,
-                                **SAMPLE)
+        alone = decode.generate(
+            mid, np.asarray([prompts[i]]), [len(prompts[i])], seed=7 + i, **SAMPLE
+        )
         np.testing.assert_array_equal(alone.tokens[0], by_two.tokens[i])
     greedy = decode.generate_batched(mid, prompts, batch_size=2, **{**SAMPLE, "temperature": 0.0})
     assert np.mean(greedy.tokens != by_two.tokens) > 0.3

@@ -30,9 +30,18 @@ def compile_rows(topology: str, *extra: str) -> list[dict]:
     ``extra`` flags replace the defaults."""
     env = python_env(ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # compile only: no chip, no lock file needed
     out = run_python(
-        "benchmarks/decode_hlo.py", "--config=configs/tiny.py", f"--topology={topology}",
-        f"--rows={ROWS}", "--slots=64", "--windows=1,7", "--writes=model,vmap_dus",
-        "--reads=model,vmap_ds", "--cpu_repeats=0", "--json", *extra, env=env,
+        "benchmarks/decode_hlo.py",
+        "--config=configs/tiny.py",
+        f"--topology={topology}",
+        f"--rows={ROWS}",
+        "--slots=64",
+        "--windows=1,7",
+        "--writes=model,vmap_dus",
+        "--reads=model,vmap_ds",
+        "--cpu_repeats=0",
+        "--json",
+        *extra,
+        env=env,
     )
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -85,8 +94,12 @@ def test_whole_decoders_have_no_row_loop(topology):
     """Every decoder, lowered whole (prefill, step loop, output): its loops are the step loop
     and the layer scans (inside the step and in the prefill), never one over rows."""
     names = ["ar", "sliding", "block", "verify", "none"]
-    rows = by(compile_rows(topology, "--writes=", "--reads=", "--windows=",
-                           f"--decoders={','.join(names)}"), kind="decoder")
+    rows = by(
+        compile_rows(
+            topology, "--writes=", "--reads=", "--windows=", f"--decoders={','.join(names)}"
+        ),
+        kind="decoder",
+    )
     assert [r["scheme"] for r in rows] == names
     for r in rows:
         assert r["row_loops"] == 0, r

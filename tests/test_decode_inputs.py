@@ -4,10 +4,17 @@ rows that end at very different times, and prompts holding <|mask|> and <|endoft
 import numpy as np
 import pytest
 
-from decode_oracles import MAX_NEW, Uncached, make_batch, make_model, reference_mars
 from mars_jax import decode
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, MASK_ID
-from decode_oracles import swap_head_columns
+
+from decode_oracles import (
+    MAX_NEW,
+    Uncached,
+    make_batch,
+    make_model,
+    reference_mars,
+    swap_head_columns,
+)
 
 KW = dict(block_size=4, threshold=0.9)
 

@@ -5,6 +5,8 @@ references of `decode_oracles`."""
 import numpy as np
 import pytest
 
+from mars_jax import decode
+
 from decode_oracles import (
     MAX_NEW,
     Uncached,
@@ -15,7 +17,6 @@ from decode_oracles import (
     reference_block,
     reference_mars,
 )
-from mars_jax import decode
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,7 @@ def test_sliding_and_none_agree(threshold, mid):
 @pytest.mark.parametrize("block_size,threshold", [(4, 0.9), (2, 0.5)])
 def test_block_mode_matches_the_block_scheme(block_size, threshold, mid):
     ids, lengths, prompts = make_batch([5, 2, 11, 7], seed=2)
-    out = _decode(mid, ids, lengths, block_size=block_size, threshold=threshold,
-                  cache_mode="block")
+    out = _decode(mid, ids, lengths, block_size=block_size, threshold=threshold, cache_mode="block")
     fwd = Uncached(mid, ids.shape[1] + MAX_NEW + 4)
     refs = [
         reference_block(fwd, p, block_size=block_size, threshold=threshold, max_new=MAX_NEW)
@@ -122,8 +122,9 @@ def test_block_mode_matches_the_block_scheme(block_size, threshold, mid):
     one_per_fill = out.accepted + -(-out.accepted // block_size) - 1
     assert np.all(out.row_forwards <= one_per_fill) and np.any(out.row_forwards < one_per_fill)
     # Alone, a row spends exactly the reference's forwards.
-    alone = _decode(mid, ids[2:3], lengths[2:3], block_size=block_size, threshold=threshold,
-                    cache_mode="block")
+    alone = _decode(
+        mid, ids[2:3], lengths[2:3], block_size=block_size, threshold=threshold, cache_mode="block"
+    )
     assert alone.row_forwards[0] == refs[2][2]
     # The sliding window never waits: the same rows at the same threshold cost fewer forwards.
     sliding = _decode(mid, ids, lengths, block_size=block_size, threshold=threshold)
@@ -188,7 +189,11 @@ def test_max_accept_per_step_and_streaming(mid):
     ids, lengths, prompts = make_batch([5, 2, 11, 7], seed=2)
     chunks = []
     out = _decode(
-        mid, ids, lengths, threshold=0.5, max_accept_per_step=2,
+        mid,
+        ids,
+        lengths,
+        threshold=0.5,
+        max_accept_per_step=2,
         on_accept=lambda tokens, counts: chunks.append((np.array(tokens), np.array(counts))),
     )
     assert len(chunks) == out.forwards

@@ -13,9 +13,11 @@ from flax import nnx
 
 from benchmarks import decode_speed as ds
 from mars_jax import decode
-from decode_oracles import CFG
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID
+
+from decode_oracles import CFG
+
 
 def make_model(scale: float = 300.0, **overrides) -> Qwen2:
     model = Qwen2(ModelConfig(**{**CFG.__dict__, **overrides}), rngs=nnx.Rngs(0))
@@ -32,7 +34,11 @@ def prompts(lengths, seed=0, last=None):
 @pytest.fixture(scope="module")
 def subject():
     return ds.make_subject(
-        "tiny", make_model(), prompts([5, 9, 3, 7]), block_size=4, max_new_tokens=2,
+        "tiny",
+        make_model(),
+        prompts([5, 9, 3, 7]),
+        block_size=4,
+        max_new_tokens=2,
         min_prompts=2,
     )
 
@@ -40,12 +46,32 @@ def subject():
 def test_rows(subject):
     rows = ds.benchmark([subject], batch_sizes=[2], thresholds=[0.9], repeats=1)
     assert [r["decoder"] for r in rows] == [
-        "ar", "sliding", "sliding_fixed", "block", "none", "verify", "transformers"
+        "ar",
+        "sliding",
+        "sliding_fixed",
+        "block",
+        "none",
+        "verify",
+        "transformers",
     ]
     keys = {
-        "model", "decoder", "batch", "threshold", "block_size", "prompts", "max_new_tokens",
-        "tokens", "forwards", "seconds", "prefill_ms", "tokens_per_forward", "step_ms",
-        "tokens_per_s", "speedup", "conversion", "same_as_ar",
+        "model",
+        "decoder",
+        "batch",
+        "threshold",
+        "block_size",
+        "prompts",
+        "max_new_tokens",
+        "tokens",
+        "forwards",
+        "seconds",
+        "prefill_ms",
+        "tokens_per_forward",
+        "step_ms",
+        "tokens_per_s",
+        "speedup",
+        "conversion",
+        "same_as_ar",
     }
     for r in rows:
         assert keys <= set(json.loads(json.dumps(r)))
@@ -68,8 +94,9 @@ def test_transformers_generates_our_greedy_tokens(subject):
     """Prompts of different lengths (left-padded for transformers, right-padded for us), two
     batches, 8 tokens each: the same completions, EOS included, and the same lengths."""
     kw = dict(batch_size=2, max_new_tokens=8, eos_ids=subject.eos_ids, pad_id=ENDOFTEXT_ID)
-    ours = decode.generate_batched(subject.model, subject.prompts, block_size=1, threshold=1.0,
-                                   **kw)
+    ours = decode.generate_batched(
+        subject.model, subject.prompts, block_size=1, threshold=1.0, **kw
+    )
     theirs = ds.transformers_generate(subject.hf, subject.prompts, **kw)
     assert theirs.completions() == ours.completions()
     np.testing.assert_array_equal(theirs.accepted, ours.accepted)
@@ -80,8 +107,14 @@ def test_no_eos_generates_the_whole_budget():
     argmax is <|im_end|> (the exported config.json's eos_token_id, which transformers would
     fall back to)."""
     model = make_model(30.0, tie_word_embeddings=True)  # tends to predict its input back
-    s = ds.make_subject("eosless", model, prompts([4, 6], last=IM_END_ID), block_size=2,
-                        max_new_tokens=5, eos_ids=())
+    s = ds.make_subject(
+        "eosless",
+        model,
+        prompts([4, 6], last=IM_END_ID),
+        block_size=2,
+        max_new_tokens=5,
+        eos_ids=(),
+    )
     kw = dict(batch_size=2, max_new_tokens=5, eos_ids=(), pad_id=ENDOFTEXT_ID)
     ours = decode.generate_batched(model, s.prompts, block_size=1, threshold=1.0, **kw)
     theirs = ds.transformers_generate(s.hf, s.prompts, **kw)

@@ -15,8 +15,10 @@ from conftest import ROOT, python_env, run_python
 pytestmark = [
     pytest.mark.tpu_compile,
     pytest.mark.subprocess,
-    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                       reason='libtpu is not installed (pip install "jax[tpu]")'),
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason='libtpu is not installed (pip install "jax[tpu]")',
+    ),
 ]
 BLOCK = 2
 
@@ -24,9 +26,18 @@ BLOCK = 2
 @pytest.fixture(scope="module")
 def estimate(tmp_path_factory):
     out = tmp_path_factory.mktemp("tpu_estimate")
-    run_python("benchmarks/decode_tpu_estimate.py", "--shape=tiny", "--topology=v5e:1x1",
-               "--tensor=1", "--batch_sizes=1", f"--block_sizes={BLOCK}", "--prompt_len=16",
-               "--max_new_tokens=8", f"--output_dir={out}", env=python_env(PYTHONPATH="."))
+    run_python(
+        "benchmarks/decode_tpu_estimate.py",
+        "--shape=tiny",
+        "--topology=v5e:1x1",
+        "--tensor=1",
+        "--batch_sizes=1",
+        f"--block_sizes={BLOCK}",
+        "--prompt_len=16",
+        "--max_new_tokens=8",
+        f"--output_dir={out}",
+        env=python_env(PYTHONPATH="."),
+    )
     lines = (out / "decode_tpu_estimate.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     return rows, (out / "decode_tpu_estimate.md").read_text()
@@ -55,7 +66,8 @@ def test_fixed_acceptance_table_is_derived_from_the_programs(estimate):
     by = {r["program"]: r for r in rows}
     table = decode_tpu_estimate.fixed_acceptance(rows)
     assert [(t["mode"], t["accept"]) for t in table] == [
-        (m, k) for k in range(1, BLOCK + 1) for m in ("sliding", "block")]
+        (m, k) for k in range(1, BLOCK + 1) for m in ("sliding", "block")
+    ]
     for t in table:
         k = t["accept"]
         if t["mode"] == "sliding":

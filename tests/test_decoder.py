@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from decode_oracles import MAX_NEW, make_batch, make_model
 from mars_jax import decode
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID
+
+from decode_oracles import MAX_NEW, make_batch, make_model
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +21,19 @@ def mid():
 
 
 def settings(**kw) -> decode.DecoderSettings:
-    base = dict(block_size=4, max_new_tokens=MAX_NEW, eos_ids=DEFAULT_EOS_IDS,
-                mask_id=MASK_ID, sampling=False, cache_mode="sliding", rule="prob",
-                adaptive_window=True, mesh=None, axis_rules=None, on_accept=None)
+    base = dict(
+        block_size=4,
+        max_new_tokens=MAX_NEW,
+        eos_ids=DEFAULT_EOS_IDS,
+        mask_id=MASK_ID,
+        sampling=False,
+        cache_mode="sliding",
+        rule="prob",
+        adaptive_window=True,
+        mesh=None,
+        axis_rules=None,
+        on_accept=None,
+    )
     return decode.DecoderSettings(**{**base, **kw})
 
 
@@ -32,9 +43,15 @@ def host_loop(model, ids, lengths, st, *, threshold, temperature=0.0, seeds=None
     dec = decode.Decoder(graphdef, st)
     rows = len(lengths)
     seeds = np.zeros(rows, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
-    state = dec.prefill(params, jnp.asarray(ids), jnp.asarray(lengths),
-                        jnp.broadcast_to(jnp.float32(threshold), (rows,)), jnp.int32(st.block_size),
-                        jnp.float32(temperature), jax.vmap(jax.random.key)(jnp.asarray(seeds)))
+    state = dec.prefill(
+        params,
+        jnp.asarray(ids),
+        jnp.asarray(lengths),
+        jnp.broadcast_to(jnp.float32(threshold), (rows,)),
+        jnp.int32(st.block_size),
+        jnp.float32(temperature),
+        jax.vmap(jax.random.key)(jnp.asarray(seeds)),
+    )
     calls = 0
     while not bool(dec.finished(state)):
         state = dec.steps(params, state, chunk) if chunk else dec.step(params, state)
@@ -57,9 +74,17 @@ def test_host_driven_steps_equal_generate(mid, case):
     kw = CASES[case]
     st = settings(**kw)
     threshold = 0.5 if kw.get("rule") == "verify" else 0.9
-    out = decode.generate(mid, ids, lengths, block_size=st.block_size, threshold=threshold,
-                          max_new_tokens=MAX_NEW, cache_mode=st.cache_mode, rule=st.rule,
-                          adaptive_window=st.adaptive_window)
+    out = decode.generate(
+        mid,
+        ids,
+        lengths,
+        block_size=st.block_size,
+        threshold=threshold,
+        max_new_tokens=MAX_NEW,
+        cache_mode=st.cache_mode,
+        rule=st.rule,
+        adaptive_window=st.adaptive_window,
+    )
     result, calls = host_loop(mid, ids, lengths, st, threshold=threshold)
     np.testing.assert_array_equal(np.asarray(result.tokens), out.tokens)
     np.testing.assert_array_equal(np.asarray(result.lengths), out.lengths)
@@ -75,10 +100,19 @@ def test_host_driven_steps_equal_generate(mid, case):
 def test_sampled_steps_equal_generate(mid):
     ids, lengths, _ = make_batch([6, 3, 9], seed=4)
     seeds = [3, 11, 7]
-    out = decode.generate(mid, ids, lengths, block_size=4, threshold=0.8, max_new_tokens=MAX_NEW,
-                          temperature=0.7, seed=seeds)
-    result, _ = host_loop(mid, ids, lengths, settings(sampling=True), threshold=0.8,
-                          temperature=0.7, seeds=seeds)
+    out = decode.generate(
+        mid,
+        ids,
+        lengths,
+        block_size=4,
+        threshold=0.8,
+        max_new_tokens=MAX_NEW,
+        temperature=0.7,
+        seed=seeds,
+    )
+    result, _ = host_loop(
+        mid, ids, lengths, settings(sampling=True), threshold=0.8, temperature=0.7, seeds=seeds
+    )
     np.testing.assert_array_equal(np.asarray(result.tokens), out.tokens)
 
 
@@ -88,17 +122,30 @@ def test_per_row_settings_travel_in_the_state(mid):
     graphdef, params = nnx.split(mid)
     dec = decode.Decoder(graphdef, settings(sampling=True))
     thresholds, temps, seeds = [1.0, 0.6, 0.9], [0.0, 0.8, 0.5], [1, 2, 3]
-    state = dec.prefill(params, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(thresholds),
-                        jnp.asarray([4, 2, 4], jnp.int32), jnp.asarray(temps, jnp.float32),
-                        jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)))
+    state = dec.prefill(
+        params,
+        jnp.asarray(ids),
+        jnp.asarray(lengths),
+        jnp.asarray(thresholds),
+        jnp.asarray([4, 2, 4], jnp.int32),
+        jnp.asarray(temps, jnp.float32),
+        jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)),
+    )
     while not bool(dec.finished(state)):
         state = dec.step(params, state)
     batch = dec.result(state)
     for r in range(3):
-        alone = decode.generate(mid, ids[r : r + 1], lengths[r : r + 1], block_size=4,
-                                threshold=thresholds[r], max_new_tokens=MAX_NEW,
-                                temperature=temps[r], seed=seeds[r],
-                                max_accept_per_step=[4, 2, 4][r])
+        alone = decode.generate(
+            mid,
+            ids[r : r + 1],
+            lengths[r : r + 1],
+            block_size=4,
+            threshold=thresholds[r],
+            max_new_tokens=MAX_NEW,
+            temperature=temps[r],
+            seed=seeds[r],
+            max_accept_per_step=[4, 2, 4][r],
+        )
         np.testing.assert_array_equal(np.asarray(batch.tokens)[r], alone.tokens[0])
         assert int(batch.accepted[r]) == int(alone.accepted[0])
     # max_accept 2 caps row 1 at two tokens per forward; row 0 (threshold 1.0) is one-token.
@@ -111,8 +158,15 @@ def test_each_piece_lowers_and_compiles_alone(mid, cache_mode):
     ids, lengths, _ = make_batch([5, 3], seed=1)
     graphdef, params = nnx.split(mid)
     dec = decode.Decoder(graphdef, settings(cache_mode=cache_mode))
-    args = (params, jnp.asarray(ids), jnp.asarray(lengths), jnp.full((2,), 0.9, jnp.float32),
-            jnp.int32(4), jnp.float32(0.0), jax.random.key(0))
+    args = (
+        params,
+        jnp.asarray(ids),
+        jnp.asarray(lengths),
+        jnp.full((2,), 0.9, jnp.float32),
+        jnp.int32(4),
+        jnp.float32(0.0),
+        jax.random.key(0),
+    )
     prefill = decode.Decoder.prefill.lower(dec, *args).compile()
     state = dec.prefill(*args)
     step = decode.Decoder.step.lower(dec, params, state).compile()
@@ -120,8 +174,13 @@ def test_each_piece_lowers_and_compiles_alone(mid, cache_mode):
     assert step.as_text().count(" while(") == len(dec.branches) == 2
     assert prefill.as_text().count(" while(") == 1  # the prompt's forward scans the layers
     for name in dec.branches:
-        assert decode.Decoder.branch.lower(dec, params, state, name).compile().as_text().count(
-            " while(") == 1
+        assert (
+            decode.Decoder.branch.lower(dec, params, state, name)
+            .compile()
+            .as_text()
+            .count(" while(")
+            == 1
+        )
     other = "fill" if cache_mode == "sliding" else "narrow"
     with pytest.raises(ValueError, match=f"branch '{other}'"):
         dec.branch(params, state, other)
@@ -133,9 +192,15 @@ def test_branch_is_the_forward_that_step_takes(mid):
     graphdef, params = nnx.split(mid)
     dec = decode.Decoder(graphdef, settings())
     assert dec.branches == ("narrow", "wide")
-    state = dec.prefill(params, jnp.asarray(ids), jnp.asarray(lengths),
-                        jnp.full((2,), 0.9, jnp.float32), jnp.int32(4), jnp.float32(0.0),
-                        jax.random.key(0))
+    state = dec.prefill(
+        params,
+        jnp.asarray(ids),
+        jnp.asarray(lengths),
+        jnp.full((2,), 0.9, jnp.float32),
+        jnp.int32(4),
+        jnp.float32(0.0),
+        jax.random.key(0),
+    )
     stepped = dec.step(params, state)
     narrow = dec.branch(params, state, "narrow")
     plain = lambda s: jax.tree.leaves(s.replace(row_keys=jax.random.key_data(s.row_keys)))
@@ -156,8 +221,16 @@ class AcceptAll(decode.AcceptanceRule):
 def test_a_new_rule_is_one_class(mid, monkeypatch):
     monkeypatch.setitem(decode.ACCEPTANCE_RULES, "accept_all", AcceptAll())
     ids, lengths, _ = make_batch([5, 9], seed=3)
-    out = decode.generate(mid, ids, lengths, block_size=4, threshold=0.99, max_new_tokens=12,
-                          rule="accept_all", eos_ids=())
+    out = decode.generate(
+        mid,
+        ids,
+        lengths,
+        block_size=4,
+        threshold=0.99,
+        max_new_tokens=12,
+        rule="accept_all",
+        eos_ids=(),
+    )
     # Every forward accepts all B = 4 candidates: 12 tokens in 3 forwards per row.
     np.testing.assert_array_equal(out.accepted, 12)
     np.testing.assert_array_equal(out.row_forwards, 3)
@@ -167,12 +240,14 @@ def test_argmax_and_prob_confidence_equal_jax_bit_for_bit():
     logits = jax.random.normal(jax.random.key(0), (3, 5, 1000)) * 4
     logits = logits.at[0, 1, 7].set(logits[0, 1].max()).at[0, 1, 3].set(logits[0, 1].max())
     logits = logits.at[1, 2, 9].set(jnp.nan).at[1, 2, 20].set(jnp.nan)
-    np.testing.assert_array_equal(np.asarray(decode.argmax(logits)),
-                                  np.asarray(jnp.argmax(logits, axis=-1)))
+    np.testing.assert_array_equal(
+        np.asarray(decode.argmax(logits)), np.asarray(jnp.argmax(logits, axis=-1))
+    )
     assert int(decode.argmax(logits)[0, 1]) == 3 and int(decode.argmax(logits)[1, 2]) == 9
     finite = logits.at[1, 2].set(0.0)
     for token in (jnp.argmax(finite, -1), jax.random.randint(jax.random.key(1), (3, 5), 0, 1000)):
-        expect = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(finite), token[..., None],
-                                             axis=-1)[..., 0])
+        expect = jnp.exp(
+            jnp.take_along_axis(jax.nn.log_softmax(finite), token[..., None], axis=-1)[..., 0]
+        )
         got = jax.jit(decode.ACCEPTANCE_RULES["prob"].confidence)(finite, token)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expect))

@@ -264,8 +264,12 @@ def test_cluster_detection_is_jax_own(monkeypatch):
     """A Slurm job step with several tasks is a multi-process launch; one task is not."""
     for var in ("OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
         monkeypatch.delenv(var, raising=False)
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node1", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0"}
+    slurm = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "node1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
     for var, value in slurm.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setenv("SLURM_NTASKS", "1")
@@ -276,8 +280,7 @@ def test_cluster_detection_is_jax_own(monkeypatch):
 
 def fake_examples(n, length=4):
     return [
-        Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i)
-        for i in range(n)
+        Example(np.full(length, i, np.int32), np.full(length, i, np.int32), row=i) for i in range(n)
     ]
 
 

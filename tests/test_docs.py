@@ -63,7 +63,9 @@ def links(path: Path) -> list[str]:
 
 
 def test_github_anchor_rules():
-    assert github_anchor("Running on a TPU pod / GPU cluster") == "running-on-a-tpu-pod--gpu-cluster"
+    assert (
+        github_anchor("Running on a TPU pod / GPU cluster") == "running-on-a-tpu-pod--gpu-cluster"
+    )
     assert github_anchor("1. A Cloud TPU VM pod slice: `launch/tpu_vm.sh`") == (
         "1-a-cloud-tpu-vm-pod-slice-launchtpu_vmsh"
     )

@@ -44,8 +44,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
-DOC_FILES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob(
-    "*.md")), "launch/README.md"]
+DOC_FILES = [
+    "README.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+    "launch/README.md",
+]
 TIMEOUT_S = 420
 
 # Lines of a bash block that are shell setup, not a command to smoke-run: (regex matched at the
@@ -148,95 +151,229 @@ class NotRun:
 
 # (entry name, regex matched against the whole command, how)
 REGISTRY = [
-    ("quick_start", r"bash launch/two_stage\.sh configs/tiny\.py runs/tiny",
-     Smoke("run_quick_start", "the shared tiny run: 2 steps a stage on a 1-layer tiny model, "
-           "2 evaluation examples; checkpoints and both evaluation tables")),
-    ("two_stage_synthetic", r"bash launch/two_stage\.sh configs/synthetic\.py runs/synthetic",
-     Smoke("run_two_stage_synthetic", "2 steps a stage; shared with decode_speed's synthetic "
-           "command")),
-    ("two_stage_gsm8k", r"bash launch/two_stage\.sh configs/gsm8k\.py runs/gsm8k",
-     Smoke("run_two_stage_gsm8k", "needs ../shared/data; 2 steps a stage; shared with the "
-           "ar_control and decode_speed gsm8k commands")),
-    ("two_stage_qwen0_5b", r"bash launch/two_stage\.sh configs/qwen0_5b\.py runs/qwen0_5b .*",
-     Smoke("run_two_stage_qwen0_5b", "init_from: the tiny run's export; train_path: 4 chat rows; "
-           "2 steps a stage, batch 2 (needs ../shared/data: its eval set is GSM8K test)")),
-    ("evaluate_tiny", r"python -m mars_jax\.evaluate --config=configs/tiny\.py:mars "
-     r"--workdir=runs/tiny/mars( .*)?",
-     Smoke("run_evaluate", "on the tiny run; the table's title and header are printed")),
-    ("gsm8k_ar_control", r"python -m mars_jax\.(train|evaluate) --config=configs/gsm8k\.py:ar "
-     r"--workdir=runs/gsm8k/ar_control .*",
-     Smoke("run_gsm8k_ar_control", "train (2 steps) then evaluate, from the gsm8k run's stage 1")),
-    ("configs_train", r"python -m mars_jax\.train --config=configs/tiny\.py:mars --workdir=runs/x "
-     r"--config\.init_from=runs/tiny/ar .*",
-     Smoke("run_configs_train", "from the tiny run's stage 1, 2 steps; a checkpoint")),
-    ("show_config", r"python -m mars_jax\.train .*--show_config",
-     Smoke("run_show_config", "as documented; the overridden key is printed")),
-    ("generate", r"python -m mars_jax\.generate --workdir=runs/tiny/mars .*",
-     Smoke("run_generate", "each documented form on the tiny run, --max_new_tokens=8")),
-    ("export", r"python -m mars_jax\.export --workdir=runs/tiny/mars --output=runs/tiny/hf",
-     Smoke("run_export", "the export loads with transformers; README.md model card written")),
-    ("lm_eval_local", r"HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m mars_jax\.lm_eval_adapter "
-     r".*--tasks gsm8k_local .*",
-     Smoke("run_lm_eval_local", "needs ../shared/data and lm_eval; --limit 2, --batch_size 2, "
-           "8 new tokens; the results file holds the task's score")),
-    ("lm_eval_hub", r"python -m mars_jax\.lm_eval_adapter .*--tasks gsm8k .*",
-     NotRun("downloads GSM8K from the Hugging Face Hub: needs network",
-            "downloads the dataset from the Hub")),
-    ("decode_speed_trained", r"PYTHONPATH=\. python benchmarks/decode_speed\.py --model=trained .*",
-     Smoke("run_decode_speed", "on the run its --workdir names (gsm8k: needs ../shared/data), "
-           "1 prompt, 4 tokens, one threshold; the written table")),
-    ("decode_speed_both", r"PYTHONPATH=\. python benchmarks/decode_speed\.py --model=both .*",
-     Smoke("run_decode_speed", "the tiny run and the random 0.5B shape, 1 prompt, 4 tokens")),
-    ("decode_speed_accept", r"PYTHONPATH=\. python benchmarks/decode_speed\.py --accept=.*",
-     Smoke("run_decode_speed_accept", "the tiny shape, B = 2, K = 1 and 2, 2 forwards, ar and "
-           "sliding, --parts kept (test_benchmark_commands.py::test_decode_step checks the "
-           "table's numbers, without --parts)")),
-    ("roofline_published", r"PYTHONPATH=\. python benchmarks/roofline\.py --markdown "
-     r"--cpu_gflops=\S+ --cpu_gbps=\S+",
-     Covered("tests/test_benchmark_commands.py::test_roofline", "the same flags")),
-    ("roofline_other", r"(JAX_PLATFORMS=cpu )?PYTHONPATH=\. python benchmarks/roofline\.py "
-     r"--markdown --(measure_cpu|context=\d+)",
-     Smoke("run_roofline", "as documented; the ridge table")),
-    ("decode_tpu_estimate", r"PYTHONPATH=\. python benchmarks/decode_tpu_estimate\.py .*",
-     Covered("tests/test_decode_tpu_estimate.py::test_every_program_compiles_with_an_estimate",
-             "the script on the tiny shape for v5e:1x1 (skips without libtpu)")),
-    ("accelerator_wheels", r"bash benchmarks/accelerator_wheels\.sh",
-     NotRun("downloads wheels from PyPI: needs network",
-            "needs network")),
-    ("accelerator", r"bash benchmarks/accelerator\.sh",
-     Covered("tests/test_benchmark_commands.py::test_accelerator_parts",
-             "the same script with --smoke on CPU")),
-    ("claims_smoke", r"python -m experiments\.claims --config=experiments/claims_config\.py:smoke "
-     r"--workdir=\S+",
-     Smoke("run_claims_smoke", "as documented (two steps per run), 3 of its 7 runs "
-           "(block size 4, AR weight 1, no extra seed); its results table")),
-    ("claims_full", r"python -m experiments\.claims --config=experiments/claims_config\.py:"
-     r"(synthetic|synthetic_gpu|synthetic_stage2_lr) --workdir=\S+",
-     Checked("check_claims_config", "hours of training: the experiment's run configs are built "
-             "and validated in-process; claims_smoke runs the program")),
-    ("tpu_vm", r"bash launch/tpu_vm\.sh .*",
-     Smoke("run_tpu_vm", "--dry_run (added where the docs launch for real); the gcloud commands "
-           "printed, with the documented train command")),
-    ("xm_launch", r"python launch/xm_launch\.py --dry_run .*",
-     Smoke("run_xm_launch", "as documented (a dry run); the job spec")),
-    ("memory_plan", r"(PYTHONPATH=\. )?python launch/memory_plan\.py .*",
-     Covered("tests/test_memory_plan.py::test_tiny_plan_on_v5e_2x2",
-             "the script with the tiny config for v5e:2x2 (skips without libtpu)")),
-    ("train_step", r"PYTHONPATH=\. python benchmarks/train_step\.py --config=configs/tiny\.py .*",
-     Covered("tests/test_benchmark_commands.py::test_train_step",
-             "accelerator.sh --smoke runs train_step.py on a shrunk tiny config")),
-    ("soak", r"PYTHONPATH=\. JAX_PLATFORMS=cpu python benchmarks/soak\.py .*",
-     Covered("tests/test_benchmark_commands.py::test_soak", "the script at 2 steps")),
-    ("distributed_train", r"python -m mars_jax\.train --config=configs/tiny\.py --workdir=\S+ "
-     r"--config\.distributed\..*",
-     Covered("tests/test_distributed.py::test_two_processes_equal_one_process",
-             "2 training processes with the distributed.* keys over a localhost coordinator")),
-    ("slurm", r"srun python -m mars_jax\.train .*",
-     NotRun("a Slurm batch script: needs a Slurm cluster with GPU nodes",
-            "A SLURM GPU cluster")),
-    ("test_suite", r"bash \.ci/run|JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 python -m pytest .*",
-     Checked("check_test_command", "the test suite itself (CI runs it): its paths exist and its "
-             "-m markers are declared in pyproject.toml")),
+    (
+        "quick_start",
+        r"bash launch/two_stage\.sh configs/tiny\.py runs/tiny",
+        Smoke(
+            "run_quick_start",
+            "the shared tiny run: 2 steps a stage on a 1-layer tiny model, "
+            "2 evaluation examples; checkpoints and both evaluation tables",
+        ),
+    ),
+    (
+        "two_stage_synthetic",
+        r"bash launch/two_stage\.sh configs/synthetic\.py runs/synthetic",
+        Smoke(
+            "run_two_stage_synthetic",
+            "2 steps a stage; shared with decode_speed's synthetic command",
+        ),
+    ),
+    (
+        "two_stage_gsm8k",
+        r"bash launch/two_stage\.sh configs/gsm8k\.py runs/gsm8k",
+        Smoke(
+            "run_two_stage_gsm8k",
+            "needs ../shared/data; 2 steps a stage; shared with the "
+            "ar_control and decode_speed gsm8k commands",
+        ),
+    ),
+    (
+        "two_stage_qwen0_5b",
+        r"bash launch/two_stage\.sh configs/qwen0_5b\.py runs/qwen0_5b .*",
+        Smoke(
+            "run_two_stage_qwen0_5b",
+            "init_from: the tiny run's export; train_path: 4 chat rows; "
+            "2 steps a stage, batch 2 (needs ../shared/data: its eval set is GSM8K test)",
+        ),
+    ),
+    (
+        "evaluate_tiny",
+        r"python -m mars_jax\.evaluate --config=configs/tiny\.py:mars "
+        r"--workdir=runs/tiny/mars( .*)?",
+        Smoke("run_evaluate", "on the tiny run; the table's title and header are printed"),
+    ),
+    (
+        "gsm8k_ar_control",
+        r"python -m mars_jax\.(train|evaluate) --config=configs/gsm8k\.py:ar "
+        r"--workdir=runs/gsm8k/ar_control .*",
+        Smoke(
+            "run_gsm8k_ar_control", "train (2 steps) then evaluate, from the gsm8k run's stage 1"
+        ),
+    ),
+    (
+        "configs_train",
+        r"python -m mars_jax\.train --config=configs/tiny\.py:mars --workdir=runs/x "
+        r"--config\.init_from=runs/tiny/ar .*",
+        Smoke("run_configs_train", "from the tiny run's stage 1, 2 steps; a checkpoint"),
+    ),
+    (
+        "show_config",
+        r"python -m mars_jax\.train .*--show_config",
+        Smoke("run_show_config", "as documented; the overridden key is printed"),
+    ),
+    (
+        "generate",
+        r"python -m mars_jax\.generate --workdir=runs/tiny/mars .*",
+        Smoke("run_generate", "each documented form on the tiny run, --max_new_tokens=8"),
+    ),
+    (
+        "export",
+        r"python -m mars_jax\.export --workdir=runs/tiny/mars --output=runs/tiny/hf",
+        Smoke("run_export", "the export loads with transformers; README.md model card written"),
+    ),
+    (
+        "lm_eval_local",
+        r"HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m mars_jax\.lm_eval_adapter "
+        r".*--tasks gsm8k_local .*",
+        Smoke(
+            "run_lm_eval_local",
+            "needs ../shared/data and lm_eval; --limit 2, --batch_size 2, "
+            "8 new tokens; the results file holds the task's score",
+        ),
+    ),
+    (
+        "lm_eval_hub",
+        r"python -m mars_jax\.lm_eval_adapter .*--tasks gsm8k .*",
+        NotRun(
+            "downloads GSM8K from the Hugging Face Hub: needs network",
+            "downloads the dataset from the Hub",
+        ),
+    ),
+    (
+        "decode_speed_trained",
+        r"PYTHONPATH=\. python benchmarks/decode_speed\.py --model=trained .*",
+        Smoke(
+            "run_decode_speed",
+            "on the run its --workdir names (gsm8k: needs ../shared/data), "
+            "1 prompt, 4 tokens, one threshold; the written table",
+        ),
+    ),
+    (
+        "decode_speed_both",
+        r"PYTHONPATH=\. python benchmarks/decode_speed\.py --model=both .*",
+        Smoke("run_decode_speed", "the tiny run and the random 0.5B shape, 1 prompt, 4 tokens"),
+    ),
+    (
+        "decode_speed_accept",
+        r"PYTHONPATH=\. python benchmarks/decode_speed\.py --accept=.*",
+        Smoke(
+            "run_decode_speed_accept",
+            "the tiny shape, B = 2, K = 1 and 2, 2 forwards, ar and "
+            "sliding, --parts kept (test_benchmark_commands.py::test_decode_step checks the "
+            "table's numbers, without --parts)",
+        ),
+    ),
+    (
+        "roofline_published",
+        r"PYTHONPATH=\. python benchmarks/roofline\.py --markdown "
+        r"--cpu_gflops=\S+ --cpu_gbps=\S+",
+        Covered("tests/test_benchmark_commands.py::test_roofline", "the same flags"),
+    ),
+    (
+        "roofline_other",
+        r"(JAX_PLATFORMS=cpu )?PYTHONPATH=\. python benchmarks/roofline\.py "
+        r"--markdown --(measure_cpu|context=\d+)",
+        Smoke("run_roofline", "as documented; the ridge table"),
+    ),
+    (
+        "decode_tpu_estimate",
+        r"PYTHONPATH=\. python benchmarks/decode_tpu_estimate\.py .*",
+        Covered(
+            "tests/test_decode_tpu_estimate.py::test_every_program_compiles_with_an_estimate",
+            "the script on the tiny shape for v5e:1x1 (skips without libtpu)",
+        ),
+    ),
+    (
+        "accelerator_wheels",
+        r"bash benchmarks/accelerator_wheels\.sh",
+        NotRun("downloads wheels from PyPI: needs network", "needs network"),
+    ),
+    (
+        "accelerator",
+        r"bash benchmarks/accelerator\.sh",
+        Covered(
+            "tests/test_benchmark_commands.py::test_accelerator_parts",
+            "the same script with --smoke on CPU",
+        ),
+    ),
+    (
+        "claims_smoke",
+        r"python -m experiments\.claims --config=experiments/claims_config\.py:smoke "
+        r"--workdir=\S+",
+        Smoke(
+            "run_claims_smoke",
+            "as documented (two steps per run), 3 of its 7 runs "
+            "(block size 4, AR weight 1, no extra seed); its results table",
+        ),
+    ),
+    (
+        "claims_full",
+        r"python -m experiments\.claims --config=experiments/claims_config\.py:"
+        r"(synthetic|synthetic_gpu|synthetic_stage2_lr) --workdir=\S+",
+        Checked(
+            "check_claims_config",
+            "hours of training: the experiment's run configs are built "
+            "and validated in-process; claims_smoke runs the program",
+        ),
+    ),
+    (
+        "tpu_vm",
+        r"bash launch/tpu_vm\.sh .*",
+        Smoke(
+            "run_tpu_vm",
+            "--dry_run (added where the docs launch for real); the gcloud commands "
+            "printed, with the documented train command",
+        ),
+    ),
+    (
+        "xm_launch",
+        r"python launch/xm_launch\.py --dry_run .*",
+        Smoke("run_xm_launch", "as documented (a dry run); the job spec"),
+    ),
+    (
+        "memory_plan",
+        r"(PYTHONPATH=\. )?python launch/memory_plan\.py .*",
+        Covered(
+            "tests/test_memory_plan.py::test_tiny_plan_on_v5e_2x2",
+            "the script with the tiny config for v5e:2x2 (skips without libtpu)",
+        ),
+    ),
+    (
+        "train_step",
+        r"PYTHONPATH=\. python benchmarks/train_step\.py --config=configs/tiny\.py .*",
+        Covered(
+            "tests/test_benchmark_commands.py::test_train_step",
+            "accelerator.sh --smoke runs train_step.py on a shrunk tiny config",
+        ),
+    ),
+    (
+        "soak",
+        r"PYTHONPATH=\. JAX_PLATFORMS=cpu python benchmarks/soak\.py .*",
+        Covered("tests/test_benchmark_commands.py::test_soak", "the script at 2 steps"),
+    ),
+    (
+        "distributed_train",
+        r"python -m mars_jax\.train --config=configs/tiny\.py --workdir=\S+ "
+        r"--config\.distributed\..*",
+        Covered(
+            "tests/test_distributed.py::test_two_processes_equal_one_process",
+            "2 training processes with the distributed.* keys over a localhost coordinator",
+        ),
+    ),
+    (
+        "slurm",
+        r"srun python -m mars_jax\.train .*",
+        NotRun("a Slurm batch script: needs a Slurm cluster with GPU nodes", "A SLURM GPU cluster"),
+    ),
+    (
+        "test_suite",
+        r"bash \.ci/run|JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 python -m pytest .*",
+        Checked(
+            "check_test_command",
+            "the test suite itself (CI runs it): its paths exist and its "
+            "-m markers are declared in pyproject.toml",
+        ),
+    ),
 ]
 ENTRIES = {name: how for name, _, how in REGISTRY}
 
@@ -260,8 +397,13 @@ def test_extraction_finds_the_known_forms():
     texts = [c.text for c in commands]
     assert "bash launch/two_stage.sh configs/tiny.py runs/tiny" in texts
     # A continuation is joined, and a trailing comment dropped.
-    assert any(t.startswith("HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m mars_jax."
-                            "lm_eval_adapter --model mars_jax --model_args") for t in texts)
+    assert any(
+        t.startswith(
+            "HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m mars_jax."
+            "lm_eval_adapter --model mars_jax --model_args"
+        )
+        for t in texts
+    )
     assert "bash benchmarks/accelerator_wheels.sh" in texts
     assert not any(t.startswith(("#", "source ", "export ", "pip ")) for t in texts)
     assert all(set(DOC_FILES) >= {c.file for c in commands} for c in commands)
@@ -277,7 +419,8 @@ def test_every_documented_command_has_one_registry_entry():
     assert not problems, (
         "each documented command needs exactly one REGISTRY entry in "
         "tests/test_documented_commands.py (a smoke run, a covering test or a documented "
-        "reason not to run it):\n" + "\n".join(problems))
+        "reason not to run it):\n" + "\n".join(problems)
+    )
 
 
 def test_every_registry_entry_matches_a_documented_command():
@@ -305,7 +448,8 @@ def test_not_run_reasons_are_documented():
             context = " ".join(lines[max(0, c.block_start - 13) : c.line + 3])
             assert how.documented_as in " ".join(context.split()), (
                 f"{c}: NotRun ({how.reason}) but the docs do not say {how.documented_as!r} "
-                "beside it")
+                "beside it"
+            )
     assert sum(isinstance(h, NotRun) for h in ENTRIES.values()) <= 4  # keep the list short
 
 
@@ -320,8 +464,12 @@ def check_test_command(command: Command) -> None:
         return
     argv = [a for a in argv if "=" not in a or a.startswith("-")]
     assert argv[:4] == ["python", "-m", "pytest", "-q"], argv
-    markers = {m.split(":")[0] for m in tomllib.loads(
-        (ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
+    markers = {
+        m.split(":")[0]
+        for m in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+            "ini_options"
+        ]["markers"]
+    }
     rest = argv[4:]
     while rest:
         arg = rest.pop(0)
@@ -355,18 +503,35 @@ def test_checked(entry):
 # -- running a documented command -----------------------------------------------------------
 
 # configs/tiny.py shrunk (1 layer of width 32), 2 steps, a 2-example evaluation at 2 thresholds.
-MODEL_SMOKE = ["--config.model.num_layers=1", "--config.model.hidden_size=32",
-               "--config.model.intermediate_size=64", "--config.model.head_dim=8"]
-EVAL_SMOKE = ["--config.eval.num_examples=2", "--config.eval.batch_size=2",
-              "--config.eval.max_new_tokens=8", "--config.eval.thresholds=(1.0,0.9)",
-              "--config.eval.nll_examples=2", "--config.eval.timing_repeats=1"]
-TRAIN_SMOKE = ["--config.train.num_steps=2", "--config.train.batch_size=2",
-               "--config.train.log_every=1", "--config.data.num_synthetic_train=8"]
+MODEL_SMOKE = [
+    "--config.model.num_layers=1",
+    "--config.model.hidden_size=32",
+    "--config.model.intermediate_size=64",
+    "--config.model.head_dim=8",
+]
+EVAL_SMOKE = [
+    "--config.eval.num_examples=2",
+    "--config.eval.batch_size=2",
+    "--config.eval.max_new_tokens=8",
+    "--config.eval.thresholds=(1.0,0.9)",
+    "--config.eval.nll_examples=2",
+    "--config.eval.timing_repeats=1",
+]
+TRAIN_SMOKE = [
+    "--config.train.num_steps=2",
+    "--config.train.batch_size=2",
+    "--config.train.log_every=1",
+    "--config.data.num_synthetic_train=8",
+]
 RUN_SMOKE = TRAIN_SMOKE + MODEL_SMOKE + EVAL_SMOKE
 # The claims smoke experiment with 3 of its 7 runs (stage 1, the AR control, one MARS run).
-CLAIMS_SMOKE = ["--config.block_sizes=(4,)", "--config.ar_weights=(1.0,)",
-                "--config.extra_seeds=()", "--config.thresholds=(1.0,0.9)",
-                "--config.run.eval.timing_repeats=1"]
+CLAIMS_SMOKE = [
+    "--config.block_sizes=(4,)",
+    "--config.ar_weights=(1.0,)",
+    "--config.extra_seeds=()",
+    "--config.thresholds=(1.0,0.9)",
+    "--config.run.eval.timing_repeats=1",
+]
 
 
 def needs_shared_data():
@@ -380,8 +545,11 @@ def substitute(argv: list[str], subs: dict[str, str]) -> list[str]:
     out = []
     for arg in argv:
         for old, new in subs.items():
-            arg = re.sub(rf"(^|[=,]){re.escape(old)}(?=$|[/,])",
-                         lambda m, new=new: m.group(1) + str(new), arg)
+            arg = re.sub(
+                rf"(^|[=,]){re.escape(old)}(?=$|[/,])",
+                lambda m, new=new: m.group(1) + str(new),
+                arg,
+            )
         out.append(arg)
     return out
 
@@ -393,17 +561,25 @@ def prepare(command: Command | str, extra=(), subs=None, env=None, insert=None):
     bash scripts (first on PATH)."""
     text = command.text if isinstance(command, Command) else command
     argv = shlex.split(text)
-    environ = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1",
-               "PYTHONUNBUFFERED": "1", **(env or {})}
+    environ = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
     while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
         key, value = argv.pop(0).split("=", 1)
-        environ[key] = value if key != "PYTHONPATH" else os.pathsep.join(
-            [value, os.environ.get("PYTHONPATH", "")])
+        environ[key] = (
+            value
+            if key != "PYTHONPATH"
+            else os.pathsep.join([value, os.environ.get("PYTHONPATH", "")])
+        )
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     argv = substitute(argv, subs or {})
     if insert:
-        argv[insert[0]:insert[0]] = list(insert[1])
+        argv[insert[0] : insert[0]] = list(insert[1])
     argv += list(extra)
     environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), environ["PATH"]])
     return argv, environ
@@ -419,8 +595,9 @@ class Job:
         logs.mkdir(parents=True, exist_ok=True)
         self.out, self.err = logs / "stdout", logs / "stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=environ, stdout=out,
-                                         stderr=err, text=True)
+            self.proc = subprocess.Popen(
+                self.argv, cwd=ROOT, env=environ, stdout=out, stderr=err, text=True
+            )
 
     def wait(self, timeout=TIMEOUT_S) -> str:
         try:
@@ -431,7 +608,8 @@ class Job:
         stdout = self.out.read_text()
         assert code == 0, (
             f"{self.command} (run as {shlex.join(self.argv)}) exited {code}\n"
-            f"{stdout[-3000:]}\n{self.err.read_text()[-5000:]}")
+            f"{stdout[-3000:]}\n{self.err.read_text()[-5000:]}"
+        )
         return stdout
 
     def kill(self):
@@ -440,15 +618,18 @@ class Job:
             self.proc.wait()
 
 
-def run_command(command: Command | str, extra=(), subs=None, env=None, insert=None,
-                timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_command(
+    command: Command | str, extra=(), subs=None, env=None, insert=None, timeout=TIMEOUT_S
+) -> subprocess.CompletedProcess:
     """`prepare`'s command run to its end; asserts exit code 0."""
     argv, environ = prepare(command, extra, subs, env, insert)
-    proc = subprocess.run(argv, cwd=ROOT, env=environ, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout, check=False
+    )
     assert proc.returncode == 0, (
         f"{command} (run as {shlex.join(argv)}) exited {proc.returncode}\n"
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     return proc
 
 
@@ -464,7 +645,10 @@ TABLE_HEADER = "| threshold | accuracy | tokens/forward |"
 
 def check_eval_tables(stdout: str, workdirs: list[Path]):
     for w in workdirs:
-        assert re.search(rf"^{re.escape(str(w))} step \d+: ", stdout, re.MULTILINE), (w, stdout[-2000:])
+        assert re.search(rf"^{re.escape(str(w))} step \d+: ", stdout, re.MULTILINE), (
+            w,
+            stdout[-2000:],
+        )
     assert stdout.count(TABLE_HEADER) >= len(workdirs), stdout[-2000:]
 
 
@@ -472,8 +656,16 @@ def check_eval_tables(stdout: str, workdirs: list[Path]):
 # the background when the first smoke test runs (only those a selected test needs), so that on
 # CI's 2 cores they overlap with each other and with the commands run on the tiny run.
 BACKGROUND = {
-    "quick_start": {"quick_start", "two_stage_qwen0_5b", "evaluate_tiny", "configs_train",
-                    "generate", "export", "lm_eval_local", "decode_speed_both"},
+    "quick_start": {
+        "quick_start",
+        "two_stage_qwen0_5b",
+        "evaluate_tiny",
+        "configs_train",
+        "generate",
+        "export",
+        "lm_eval_local",
+        "decode_speed_both",
+    },
     "two_stage_synthetic": {"two_stage_synthetic", "decode_speed_trained"},
     "two_stage_gsm8k": {"two_stage_gsm8k", "gsm8k_ar_control", "decode_speed_trained"},
     "claims_smoke": {"claims_smoke"},
@@ -491,22 +683,28 @@ def start_claims(base: Path) -> tuple[Job, Path]:
     command = commands_of("claims_smoke")[0]
     documented = re.search(r"--workdir=(\S+)", command.text).group(1)
     return Job(command, base / "logs", extra=CLAIMS_SMOKE, subs={documented: base / "claims"}), (
-        base / "claims")
+        base / "claims"
+    )
 
 
 @pytest.fixture(scope="module")
 def background(request, tmp_path_factory):
     """{entry: (Job, its run directory)} of the BACKGROUND runs the selected tests need."""
-    selected = {item.callspec.params["entry"] for item in request.session.items
-                if item.module is sys.modules[__name__] and hasattr(item, "callspec")
-                and "entry" in item.callspec.params}
+    selected = {
+        item.callspec.params["entry"]
+        for item in request.session.items
+        if item.module is sys.modules[__name__]
+        and hasattr(item, "callspec")
+        and "entry" in item.callspec.params
+    }
     jobs = {}
     for entry, users in BACKGROUND.items():
         if not selected & users or ("gsm8k" in entry and not SHARED_DATA.is_dir()):
             continue
         base = tmp_path_factory.mktemp(entry)
-        jobs[entry] = start_claims(base) if entry == "claims_smoke" else start_two_stage(
-            base, entry)
+        jobs[entry] = (
+            start_claims(base) if entry == "claims_smoke" else start_two_stage(base, entry)
+        )
     yield jobs
     for job, _ in jobs.values():
         job.kill()
@@ -550,9 +748,11 @@ def tiny_export(tiny_run):
 
 def run_subs(request) -> dict:
     """Documented run directories -> the shared smoke runs (fixtures created on first use)."""
-    return {"runs/tiny": lambda: request.getfixturevalue("tiny_run"),
-            "runs/synthetic": lambda: request.getfixturevalue("synthetic_run"),
-            "runs/gsm8k": lambda: request.getfixturevalue("gsm8k_run")}
+    return {
+        "runs/tiny": lambda: request.getfixturevalue("tiny_run"),
+        "runs/synthetic": lambda: request.getfixturevalue("synthetic_run"),
+        "runs/gsm8k": lambda: request.getfixturevalue("gsm8k_run"),
+    }
 
 
 def resolve_subs(command: Command, request, **fixed) -> dict:
@@ -588,14 +788,27 @@ def run_two_stage_qwen0_5b(commands, request, tmp_path):
     needs_shared_data()
     hf = request.getfixturevalue("tiny_export")
     sft = tmp_path / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"What is {i} + {i}?"},
-        {"role": "assistant", "content": f"{i} + {i} = {2 * i}. #### {2 * i}"}]}) + "\n"
-        for i in range(4)))
+    sft.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"What is {i} + {i}?"},
+                        {"role": "assistant", "content": f"{i} + {i} = {2 * i}. #### {2 * i}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(4)
+        )
+    )
     [command] = commands
     run = tmp_path / "qwen0_5b"
-    proc = run_command(command, TRAIN_SMOKE + EVAL_SMOKE, subs={
-        "runs/qwen0_5b": run, "/models/Qwen2.5-0.5B-Instruct": hf, "/data/sft.jsonl": sft})
+    proc = run_command(
+        command,
+        TRAIN_SMOKE + EVAL_SMOKE,
+        subs={"runs/qwen0_5b": run, "/models/Qwen2.5-0.5B-Instruct": hf, "/data/sft.jsonl": sft},
+    )
     check_run_dir(run)
     check_eval_tables(proc.stdout, [run / "ar", run / "mars"])
 
@@ -626,8 +839,11 @@ def run_configs_train(commands, request, tmp_path):
     [command] = commands
     run = request.getfixturevalue("tiny_run")
     out = tmp_path / "x"
-    run_command(command, TRAIN_SMOKE + ["--config.train.save_every=2"],
-                subs={"runs/tiny": run, "runs/x": out})
+    run_command(
+        command,
+        TRAIN_SMOKE + ["--config.train.save_every=2"],
+        subs={"runs/tiny": run, "runs/x": out},
+    )
     check_run_dir(tmp_path, ["x"])
     config = json.loads((out / "config.json").read_text())
     assert config["objective"]["block_size"] == 8 and config["objective"]["ar_weight"] == 0.0
@@ -642,11 +858,13 @@ def run_show_config(commands, request, tmp_path):
 def run_generate(commands, request, tmp_path):
     run = request.getfixturevalue("tiny_run")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "What is 2 + 3?"}\n{"prompt": "What is 4 * 5?", '
-                       '"threshold": 0.9}\n')
+    prompts.write_text(
+        '{"prompt": "What is 2 + 3?"}\n{"prompt": "What is 4 * 5?", "threshold": 0.9}\n'
+    )
     for command in commands:
-        out = run_command(command, ["--max_new_tokens=8"],
-                          subs={"runs/tiny": run, "prompts.jsonl": prompts}).stdout
+        out = run_command(
+            command, ["--max_new_tokens=8"], subs={"runs/tiny": run, "prompts.jsonl": prompts}
+        ).stdout
         # A 2-step model's completion may be blank lines, but it is printed.
         assert out and "Traceback" not in out, command
         if "--json" in command.text:
@@ -677,8 +895,12 @@ def run_lm_eval_local(commands, request, tmp_path):
         text = re.sub(r"--limit \d+", "--limit 2", command.text)
         text = re.sub(r"--batch_size \d+", "--batch_size 2", text)
         out = tmp_path / "lm_eval_out"
-        run_command(text, ["--gen_kwargs", "max_gen_toks=8"],
-                    subs={"runs/tiny": run, "lm_eval_out": out}, env=env)
+        run_command(
+            text,
+            ["--gen_kwargs", "max_gen_toks=8"],
+            subs={"runs/tiny": run, "lm_eval_out": out},
+            env=env,
+        )
         (results,) = out.glob("*/results_*.json")
         report = json.loads(results.read_text())
         assert report["n-samples"]["gsm8k_local"]["effective"] == 2
@@ -693,10 +915,22 @@ def run_decode_speed(commands, request, tmp_path):
         subs = resolve_subs(command, request)
         # --model=both's second model is the random Qwen2.5-0.5B shape: the tiny shape here.
         models = ["--model=trained,tiny_shape"] if "--model=both" in command.text else []
-        run_command(command, models + ["--num_prompts=1", "--max_new_tokens=4", "--batch_sizes=1",
-                              "--thresholds=0.9", "--decoders=sliding", "--repeats=1",
-                              "--shape_max_new_tokens=4", "--shape_prompt_len=8",
-                              f"--output_dir={out}"], subs=subs)
+        run_command(
+            command,
+            models
+            + [
+                "--num_prompts=1",
+                "--max_new_tokens=4",
+                "--batch_sizes=1",
+                "--thresholds=0.9",
+                "--decoders=sliding",
+                "--repeats=1",
+                "--shape_max_new_tokens=4",
+                "--shape_prompt_len=8",
+                f"--output_dir={out}",
+            ],
+            subs=subs,
+        )
         rows = [json.loads(line) for line in (out / "decode_speed.jsonl").read_text().splitlines()]
         models = {r["model"] for r in rows}
         assert "trained" in models, rows
@@ -709,12 +943,25 @@ def run_decode_speed(commands, request, tmp_path):
 def run_decode_speed_accept(commands, request, tmp_path):
     for command in commands:
         out = tmp_path / "accept"
-        stdout = run_command(command, ["--shapes=tiny", "--block_sizes=2", "--accept=1,2",
-                                       "--steps=2", "--repeats=1", "--prompt_len=8",
-                                       "--modes=ar,sliding", f"--output_dir={out}"]).stdout
+        stdout = run_command(
+            command,
+            [
+                "--shapes=tiny",
+                "--block_sizes=2",
+                "--accept=1,2",
+                "--steps=2",
+                "--repeats=1",
+                "--prompt_len=8",
+                "--modes=ar,sliding",
+                f"--output_dir={out}",
+            ],
+        ).stdout
         rows = [json.loads(line) for line in (out / "decode_step.jsonl").read_text().splitlines()]
-        assert [(r["mode"], r["accept"]) for r in rows] == [("ar", 1), ("sliding", 1),
-                                                            ("sliding", 2)]
+        assert [(r["mode"], r["accept"]) for r in rows] == [
+            ("ar", 1),
+            ("sliding", 1),
+            ("sliding", 2),
+        ]
         if "--parts" in command.text:
             assert (out / "decode_step_parts.md").exists()
             assert "| layers ms | projection ms | choice ms |" in stdout
@@ -741,8 +988,13 @@ def run_claims_smoke(commands, request, tmp_path):
     assert (work / "results" / "smoke.md").read_text() in out
 
 
-TPU_ENV = {"NAME": "mars-v5e", "ZONE": "us-west4-a", "ACCELERATOR_TYPE": "v5litepod-16",
-           "RUNTIME_VERSION": "v2-alpha-tpuv5-lite", "PROJECT": "my-project"}
+TPU_ENV = {
+    "NAME": "mars-v5e",
+    "ZONE": "us-west4-a",
+    "ACCELERATOR_TYPE": "v5litepod-16",
+    "RUNTIME_VERSION": "v2-alpha-tpuv5-lite",
+    "PROJECT": "my-project",
+}
 
 
 def run_tpu_vm(commands, request, tmp_path):

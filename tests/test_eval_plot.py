@@ -25,8 +25,14 @@ def report(step, thresholds, seed, workdir="runs/x"):
         for t in thresholds
     ]
     return {
-        "workdir": workdir, "step": step, "num_examples": 8, "block_size": 4,
-        "cache_mode": "sliding", "rule": "prob", "ar_nll": 1.5, "results": results,
+        "workdir": workdir,
+        "step": step,
+        "num_examples": 8,
+        "block_size": 4,
+        "cache_mode": "sliding",
+        "rule": "prob",
+        "ar_nll": 1.5,
+        "results": results,
     }
 
 
@@ -68,10 +74,12 @@ def test_coinciding_points_share_one_label(tmp_path):
     records[0]["tokens_per_forward"] = 1.0
     fig = plots.pareto_plot({"run": records}, str(tmp_path / "p.png"))
     r = records[2]
-    assert sorted((t.xy, t.get_text()) for t in fig.axes[0].texts) == sorted([
-        ((1.0, records[0]["accuracy"]), "1, 0.95"),
-        ((r["tokens_per_forward"], r["accuracy"]), "0.9"),
-    ])
+    assert sorted((t.xy, t.get_text()) for t in fig.axes[0].texts) == sorted(
+        [
+            ((1.0, records[0]["accuracy"]), "1, 0.95"),
+            ((r["tokens_per_forward"], r["accuracy"]), "0.9"),
+        ]
+    )
 
 
 def test_nothing_to_plot_is_refused(tmp_path):

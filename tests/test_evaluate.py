@@ -12,9 +12,9 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from test_eval_plot import report
 
 from mars_jax import decode, evaluate, grading, plots
-from test_eval_plot import report
 
 # (completion, reference): the same number.
 EQUAL = [
@@ -172,6 +172,7 @@ def test_each_evaluation_is_kept_in_its_own_file(tmp_path):
 def trained(tmp_path_factory):
     """A 2-step trimmed stage-1 run (trained block size 4): (workdir, config)."""
     from mars_jax import train
+
     from train_runs import get_config
 
     cfg = get_config("ar", data__trim_vocab=True, train__num_steps=2, eval__timing_repeats=2)
@@ -203,8 +204,11 @@ def _clocked(monkeypatch):
 
 def _best(calls, key):
     """(fewest seconds, generated tokens) of the timed (not warm-up) calls at ``key``."""
-    timed = [(s, n) for i, (b, t, s, n) in enumerate(calls)
-             if (b, t) == key and any(c[0] == b for c in calls[:i])]
+    timed = [
+        (s, n)
+        for i, (b, t, s, n) in enumerate(calls)
+        if (b, t) == key and any(c[0] == b for c in calls[:i])
+    ]
     assert len({n for _, n in timed}) == 1  # greedy: every repeat decodes the same tokens
     return min(s for s, _ in timed), timed[0][1]
 

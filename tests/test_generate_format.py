@@ -4,8 +4,9 @@ import textwrap
 
 import pytest
 
-from conftest import run_python
 from mars_jax import generate
+
+from conftest import run_python
 
 RESULTS = [
     {"prompt": "What is 12 * 7?", "tokens": [1], "text": "84\nso 84", "tokens_per_forward": 1.0},

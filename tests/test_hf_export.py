@@ -16,24 +16,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_eval_plot
 import torch
 import yaml
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import test_eval_plot
-from conftest import hf_logits, save_hf
-from decode_oracles import swap_head_columns
 from mars_jax import decode, evaluate, export, huggingface, sharding
 from mars_jax import workdir as wd
 from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.tokenizer import (
-    DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID, MASK_TOKEN, load_tokenizer,
+    DEFAULT_EOS_IDS,
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    MASK_ID,
+    MASK_TOKEN,
+    load_tokenizer,
 )
 
+from conftest import hf_logits, save_hf
+from decode_oracles import swap_head_columns
+
 QWEN_VOCAB = dict(
-    vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+    vocab_size=151936,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    tie_word_embeddings=False,
 )
 BUDGET = 16
 
@@ -49,8 +60,12 @@ def qwen_vocab(tmp_path_factory):
 def _ar(model, prompt):
     """Our AR greedy decode of one prompt: (completion ids before any stop id, its length)."""
     out = decode.generate(
-        model, np.asarray([prompt]), np.asarray([len(prompt)]),
-        block_size=1, threshold=1.0, max_new_tokens=BUDGET,
+        model,
+        np.asarray([prompt]),
+        np.asarray([len(prompt)]),
+        block_size=1,
+        threshold=1.0,
+        max_new_tokens=BUDGET,
     )
     return out.tokens[0, : out.lengths[0]].tolist(), int(out.lengths[0])
 

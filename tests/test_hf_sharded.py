@@ -8,8 +8,9 @@ import numpy as np
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY, hf_logits
 from mars_jax import huggingface
+
+from conftest import TINY, hf_logits
 from test_model import our_logits, right_padded_batch
 
 

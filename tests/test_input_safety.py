@@ -23,17 +23,23 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from conftest import make_hf_model, run_python
 from mars_jax import huggingface, sharding
 from mars_jax import tokenizer as T
 from mars_jax.batches import build_examples
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.rows import read_rows
 
+from conftest import make_hf_model, run_python
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8,
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
 )
 _real_loads = pickle.loads
 
@@ -116,13 +122,18 @@ def test_an_index_naming_a_pickle_shard_is_refused(tmp_path, no_unpickling):
     (ckpt / "pytorch_model.bin").write_bytes(pickle.dumps(_Touch(marker)))
     tensors = ["model.embed_tokens.weight", "model.norm.weight"]
     (ckpt / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {tensors[0]: "model.safetensors", tensors[1]: "pytorch_model.bin"}})
+        json.dumps(
+            {"weight_map": {tensors[0]: "model.safetensors", tensors[1]: "pytorch_model.bin"}}
+        )
     )
     for loader, load in _all_loaders(str(ckpt)).items():
-        with pytest.raises(ValueError, match=re.escape(
-            f"{ckpt}/model.safetensors.index.json: weight_map names 'pytorch_model.bin', "
-            "not a .safetensors file"
-        )):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"{ckpt}/model.safetensors.index.json: weight_map names 'pytorch_model.bin', "
+                "not a .safetensors file"
+            ),
+        ):
             load()
     assert not marker.exists()
 
@@ -159,8 +170,9 @@ def test_a_checkpoints_auto_map_code_is_not_run(tmp_path, caplog):
     caplog.set_level("WARNING", logger="absl")
     loaded = huggingface.load_hf(str(ckpt))
     assert f"{ckpt}/config.json: auto_map" in caplog.text and "it is not run" in caplog.text
-    for a, b in zip(jax.tree.leaves(nnx.state(loaded, nnx.Param)),
-                    jax.tree.leaves(nnx.state(model, nnx.Param))):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(loaded, nnx.Param)), jax.tree.leaves(nnx.state(model, nnx.Param))
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not marker.exists()
     runpy.run_path(str(ckpt / "modeling_evil.py"))  # the oracle: importing it makes the marker
@@ -220,8 +232,10 @@ def test_a_template_reaching_for_python_internals_fails_cleanly(
         f"access to attribute {stopped} object is unsafe"
     )
     # The oracle: without the sandbox the same template reaches what it asks for.
-    rendered = jinja2.Environment().from_string(template).render(
-        messages=[dict(m) for m in MESSAGES], cycler=jinja2.utils.Cycler
+    rendered = (
+        jinja2.Environment()
+        .from_string(template)
+        .render(messages=[dict(m) for m in MESSAGES], cycler=jinja2.utils.Cycler)
     )
     assert unsandboxed in rendered
 
@@ -237,16 +251,21 @@ def test_a_hostile_template_file_is_named_and_stops_data_preparation(tokenizer_d
         config = json.loads((tokenizer_dir / where).read_text())
         (tokenizer_dir / where).write_text(json.dumps({**config, "chat_template": template}))
     tok = T.load_tokenizer(str(tokenizer_dir))
-    with pytest.raises(ValueError, match=re.escape(f"{tokenizer_dir / where}: the chat template "
-                                                   "was stopped by the sandbox")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{tokenizer_dir / where}: the chat template was stopped by the sandbox"),
+    ):
         build_examples([{"messages": MESSAGES}], tok, "messages", max_length=64, block_size=4)
 
 
 def test_a_template_syntax_error_names_the_file(tokenizer_dir):
     (tokenizer_dir / "chat_template.jinja").write_text("ok\n{% for m in messages %}")
-    with pytest.raises(ValueError, match=re.escape(
-        f"{tokenizer_dir}/chat_template.jinja: chat template line 2: Unexpected end of template"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{tokenizer_dir}/chat_template.jinja: chat template line 2: Unexpected end of template"
+        ),
+    ):
         T.load_tokenizer(str(tokenizer_dir))
 
 
@@ -254,10 +273,14 @@ def test_a_parquet_pickled_extension_type_is_not_unpickled(tmp_path, no_unpickli
     """pyarrow before 14.0.1 unpickled a column declared ``arrow.py_extension_type``
     (CVE-2023-47248); the column must come back as its plain storage values."""
     marker = tmp_path / "unpickled"
-    field = pa.field("messages", pa.string(), metadata={
-        "ARROW:extension:name": "arrow.py_extension_type",
-        "ARROW:extension:metadata": pickle.dumps(_Touch(marker)),
-    })
+    field = pa.field(
+        "messages",
+        pa.string(),
+        metadata={
+            "ARROW:extension:name": "arrow.py_extension_type",
+            "ARROW:extension:metadata": pickle.dumps(_Touch(marker)),
+        },
+    )
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"messages": ["hello"]}, schema=pa.schema([field])), path)
     assert read_rows(path) == [{"messages": "hello"}]

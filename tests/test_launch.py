@@ -25,8 +25,14 @@ def xm_dry_run(*flags: str) -> dict:
 @pytest.mark.subprocess
 def test_xm_dry_run_tpu_both_stages():
     spec = xm_dry_run(
-        "--config=configs/qwen7b.py", "--workdir=/shared/runs/q7", "--tpu=v5e",
-        "--topology=4x4", "--num_hosts=4", "--", "--config.init_from=/models/Qwen2.5-7B", EMBED,
+        "--config=configs/qwen7b.py",
+        "--workdir=/shared/runs/q7",
+        "--tpu=v5e",
+        "--topology=4x4",
+        "--num_hosts=4",
+        "--",
+        "--config.init_from=/models/Qwen2.5-7B",
+        EMBED,
     )
     assert spec["name"] == "mars-qwen7b"
     assert spec["accelerator"] == {"tpu": "v5e", "topology": "4x4"}
@@ -34,55 +40,116 @@ def test_xm_dry_run_tpu_both_stages():
     assert spec["image"]["pip_install"] == ["-r", "requirements.txt", "jax[tpu]==0.10.2"]
     train = ["python", "-m", "mars_jax.train"]
     assert spec["jobs"] == [
-        {"stage": "ar", "workdir": "/shared/runs/q7/ar",
-         "argv": train + ["--config=configs/qwen7b.py:ar", "--workdir=/shared/runs/q7/ar",
-                          "--config.init_from=/models/Qwen2.5-7B", EMBED]},
+        {
+            "stage": "ar",
+            "workdir": "/shared/runs/q7/ar",
+            "argv": train
+            + [
+                "--config=configs/qwen7b.py:ar",
+                "--workdir=/shared/runs/q7/ar",
+                "--config.init_from=/models/Qwen2.5-7B",
+                EMBED,
+            ],
+        },
         # Stage 2 starts from stage 1: its init_from comes last, so it wins.
-        {"stage": "mars", "workdir": "/shared/runs/q7/mars",
-         "argv": train + ["--config=configs/qwen7b.py:mars", "--workdir=/shared/runs/q7/mars",
-                          "--config.init_from=/models/Qwen2.5-7B", EMBED,
-                          "--config.init_from=/shared/runs/q7/ar"]},
+        {
+            "stage": "mars",
+            "workdir": "/shared/runs/q7/mars",
+            "argv": train
+            + [
+                "--config=configs/qwen7b.py:mars",
+                "--workdir=/shared/runs/q7/mars",
+                "--config.init_from=/models/Qwen2.5-7B",
+                EMBED,
+                "--config.init_from=/shared/runs/q7/ar",
+            ],
+        },
     ]
 
 
 @pytest.mark.subprocess
 def test_xm_dry_run_gpu_one_stage():
     spec = xm_dry_run(
-        "--config=configs/qwen0_5b.py", "--workdir=/shared/runs/q05", "--gpu=a100",
-        "--gpus_per_host=4", "--stage=ar", "--", DATA,
+        "--config=configs/qwen0_5b.py",
+        "--workdir=/shared/runs/q05",
+        "--gpu=a100",
+        "--gpus_per_host=4",
+        "--stage=ar",
+        "--",
+        DATA,
     )
     assert spec["accelerator"] == {"gpu": "a100", "count": 4}
     assert spec["num_hosts"] == 1
     assert spec["image"]["pip_install"][-1] == "jax[cuda12]==0.10.2"
     assert spec["env"] == {"PYTHONUNBUFFERED": "1"}
     [job] = spec["jobs"]
-    assert job["argv"][3:] == ["--config=configs/qwen0_5b.py:ar", "--workdir=/shared/runs/q05", DATA]
+    assert job["argv"][3:] == [
+        "--config=configs/qwen0_5b.py:ar",
+        "--workdir=/shared/runs/q05",
+        DATA,
+    ]
 
 
 @pytest.mark.subprocess
 def test_xm_rejects_flags_that_are_not_config_overrides():
-    run = run_python("launch/xm_launch.py", "--dry_run", "--config=configs/tiny.py",
-                     "--workdir=w", "--gpu=a100", "--", "--workdir=other", timeout=60,
-                     check=False)
+    run = run_python(
+        "launch/xm_launch.py",
+        "--dry_run",
+        "--config=configs/tiny.py",
+        "--workdir=w",
+        "--gpu=a100",
+        "--",
+        "--workdir=other",
+        timeout=60,
+        check=False,
+    )
     assert run.returncode != 0
     assert "only --config.KEY=VALUE overrides" in run.stderr
 
 
 @pytest.mark.subprocess
 def test_tpu_vm_dry_run_commands():
-    env = dict(os.environ, NAME="mars-pod", ZONE="us-west4-a", ACCELERATOR_TYPE="v5litepod-16",
-               RUNTIME_VERSION="v2-alpha-tpuv5-lite", PROJECT="proj")
-    command = ["python", "-m", "mars_jax.train", "--config=configs/qwen0_5b.py:ar",
-               "--workdir=/mnt/shared/runs/a b", EMBED, DATA]
+    env = dict(
+        os.environ,
+        NAME="mars-pod",
+        ZONE="us-west4-a",
+        ACCELERATOR_TYPE="v5litepod-16",
+        RUNTIME_VERSION="v2-alpha-tpuv5-lite",
+        PROJECT="proj",
+    )
+    command = [
+        "python",
+        "-m",
+        "mars_jax.train",
+        "--config=configs/qwen0_5b.py:ar",
+        "--workdir=/mnt/shared/runs/a b",
+        EMBED,
+        DATA,
+    ]
     out = subprocess.run(
         ["bash", "launch/tpu_vm.sh", "--dry_run", "--queued", "--spot", "--", *command],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     gcloud = [shlex.split(line[2:]) for line in out.splitlines() if line.startswith("+ gcloud")]
     scope = ["--zone=us-west4-a", "--project=proj"]
-    assert ["gcloud", "compute", "tpus", "queued-resources", "create", "mars-pod",
-            "--node-id=mars-pod", "--accelerator-type=v5litepod-16",
-            "--runtime-version=v2-alpha-tpuv5-lite", "--spot", *scope] in gcloud
+    assert [
+        "gcloud",
+        "compute",
+        "tpus",
+        "queued-resources",
+        "create",
+        "mars-pod",
+        "--node-id=mars-pod",
+        "--accelerator-type=v5litepod-16",
+        "--runtime-version=v2-alpha-tpuv5-lite",
+        "--spot",
+        *scope,
+    ] in gcloud
     ssh = [c for c in gcloud if c[3:5] == ["tpu-vm", "ssh"]]
     assert len(ssh) == 2  # install, then the command
     for c in ssh:
@@ -92,12 +159,16 @@ def test_tpu_vm_dry_run_commands():
     remote = shlex.split(ssh[1][9].removeprefix("--command="))
     # The remote shell sees the command's arguments exactly as given, spaces and quotes included.
     start = remote.index("{") + 1
-    assert remote[start:remote.index(";", start)] == command
+    assert remote[start : remote.index(";", start)] == command
     assert "logs/$(hostname).log" in ssh[1][9]
     scp = [c for c in gcloud if c[3:5] == ["tpu-vm", "scp"]]
     assert [c[-3:] for c in scp] == [["--worker=all", *scope]] * 2
-    assert scp[1][5:9] == ["--recurse", "mars-pod:mars-jax/logs", "logs/tpu/mars-pod",
-                           "--worker=all"]
+    assert scp[1][5:9] == [
+        "--recurse",
+        "mars-pod:mars-jax/logs",
+        "logs/tpu/mars-pod",
+        "--worker=all",
+    ]
 
 
 def test_launchers_pin_the_same_jax():

@@ -20,14 +20,15 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import python_env, run_python
-from decode_oracles import CFG, make_model, swap_head_columns
 from mars_jax import decode, huggingface, sharding, vocab
 from mars_jax import workdir as wd
 from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.lm_eval_adapter import MarsLM
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
+
+from conftest import python_env, run_python
+from decode_oracles import CFG, make_model, swap_head_columns
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PREFIX = ENDOFTEXT_ID  # the context of an empty-context request
@@ -136,8 +137,12 @@ def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
     tok = lm.tokenizer
     contexts = ["Question: What is 12 * 7?\nAnswer:", "<|im_start|>user\nHi<|im_end|>\n", "2+2="]
     ar = decode.generate_batched(
-        lm.model, [tok.encode(c) for c in contexts], batch_size=3, block_size=1,
-        threshold=1.0, max_new_tokens=12,
+        lm.model,
+        [tok.encode(c) for c in contexts],
+        batch_size=3,
+        block_size=1,
+        threshold=1.0,
+        max_new_tokens=12,
     ).completions()
     texts = [tok.decode(t) for t in ar]
     stop = texts[0][len(texts[0]) // 2 :][:2]  # a string from the middle of the first text
@@ -161,8 +166,12 @@ def test_generate_until_decodes_at_the_threshold_and_block_size_of_the_run(run_d
     lm = MarsLM(workdir=run_dir, threshold=0.3, batch_size=2, max_gen_toks=12)
     contexts = ["Question: What is 12 * 7?\nAnswer:", "2+2="]
     out = decode.generate_batched(
-        lm.model, [lm.tokenizer.encode(c) for c in contexts], batch_size=2, block_size=4,
-        threshold=0.3, max_new_tokens=12,
+        lm.model,
+        [lm.tokenizer.encode(c) for c in contexts],
+        batch_size=2,
+        block_size=4,
+        threshold=0.3,
+        max_new_tokens=12,
     )
     requests = [
         Instance("generate_until", {}, (c, {"until": []}), i) for i, c in enumerate(contexts)
@@ -179,8 +188,13 @@ def test_a_trimmed_run_decodes_in_its_ids_and_stops_at_its_eos(tmp_path):
     kept = sorted(set(tok.encode(context)) | controls | set(range(100)))
     index = {q: m for m, q in enumerate(kept)}  # Qwen id -> model row, by hand
     prompt = np.asarray([[index[i] for i in tok.encode(context)]])
-    ar = dict(block_size=1, threshold=1.0, max_new_tokens=12, mask_id=index[MASK_ID],
-              eos_ids=(index[IM_END_ID], index[ENDOFTEXT_ID]))
+    ar = dict(
+        block_size=1,
+        threshold=1.0,
+        max_new_tokens=12,
+        mask_id=index[MASK_ID],
+        eos_ids=(index[IM_END_ID], index[ENDOFTEXT_ID]),
+    )
 
     def greedy(model):
         return decode.generate(model, prompt, [prompt.shape[1]], **ar).completions()[0]
@@ -201,20 +215,25 @@ def test_a_trimmed_run_decodes_in_its_ids_and_stops_at_its_eos(tmp_path):
     got = lm.generate_until([Instance("generate_until", {}, (context, {"until": []}), 0)])
     assert got == [tok.decode([kept[m] for m in expected])]
     # A context with a token outside the run's vocabulary: refused, naming the request.
-    outside = [Instance("generate_until", {}, (c, {"until": []}), i)
-               for i, c in enumerate([context, "Café?"])]
+    outside = [
+        Instance("generate_until", {}, (c, {"until": []}), i)
+        for i, c in enumerate([context, "Café?"])
+    ]
     with pytest.raises(ValueError, match=r"^mars_jax: request 1: token .* is not in this run's"):
         lm.generate_until(outside)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"threshold": 0.0}, r"threshold must lie in \(0, 1\], got 0.0"),
-    ({"threshold": 1.5}, r"threshold must lie in \(0, 1\], got 1.5"),
-    ({"threshold": float("nan")}, r"threshold must lie in \(0, 1\], got nan"),
-    ({"cache_mode": "slidng"}, r"cache_mode must be one of .*'slidng'"),
-    ({"rule": "probs"}, r"rule must be one of .*'probs'"),
-    ({"block_size": -1}, r"block_size must be >= 1, got -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"threshold": 0.0}, r"threshold must lie in \(0, 1\], got 0.0"),
+        ({"threshold": 1.5}, r"threshold must lie in \(0, 1\], got 1.5"),
+        ({"threshold": float("nan")}, r"threshold must lie in \(0, 1\], got nan"),
+        ({"cache_mode": "slidng"}, r"cache_mode must be one of .*'slidng'"),
+        ({"rule": "probs"}, r"rule must be one of .*'probs'"),
+        ({"block_size": -1}, r"block_size must be >= 1, got -1"),
+    ],
+)
 def test_bad_decoding_arguments_are_refused_before_loading(kwargs, match, tmp_path):
     """Before the run is read (the workdir here does not exist), not at the first
     generate_until request after lm_eval's task setup and any loglikelihood tasks."""
@@ -270,14 +289,31 @@ def test_lm_eval_cli_runs_a_local_gsm8k_task(lm, run_dir, tmp_path):
         TASK_YAML.format(data=tmp_path / "gsm8k.jsonl")
     )
     env = python_env(
-        HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
         HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"),
     )
     run_python(
-        "-m", "mars_jax.lm_eval_adapter", "--model", "mars_jax",
-        "--model_args", f"workdir={run_dir},threshold=1.0", "--batch_size", "2",
-        "--tasks", "gsm8k_local", "--include_path", str(tmp_path / "tasks"), "--limit", "3",
-        "--output_path", str(tmp_path / "out"), "--log_samples", env=env, timeout=420,
+        "-m",
+        "mars_jax.lm_eval_adapter",
+        "--model",
+        "mars_jax",
+        "--model_args",
+        f"workdir={run_dir},threshold=1.0",
+        "--batch_size",
+        "2",
+        "--tasks",
+        "gsm8k_local",
+        "--include_path",
+        str(tmp_path / "tasks"),
+        "--limit",
+        "3",
+        "--output_path",
+        str(tmp_path / "out"),
+        "--log_samples",
+        env=env,
+        timeout=420,
     )
     (results,) = (tmp_path / "out").glob("*/results_*.json")
     report = json.loads(results.read_text())
@@ -292,8 +328,10 @@ def test_lm_eval_cli_runs_a_local_gsm8k_task(lm, run_dir, tmp_path):
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert [s["doc_id"] for s in samples] == [0, 1, 2]
     # Each logged response is what the adapter generates for that prompt in this process.
-    requests = [Instance("generate_until", {}, tuple(s["arguments"]["gen_args_0"].values()), i)
-                for i, s in enumerate(samples)]
+    requests = [
+        Instance("generate_until", {}, tuple(s["arguments"]["gen_args_0"].values()), i)
+        for i, s in enumerate(samples)
+    ]
     assert [s["resps"][0][0] for s in samples] == lm.generate_until(requests)
 
 
@@ -305,8 +343,9 @@ def test_the_wrapper_prints_a_mars_jax_error_as_one_line(monkeypatch, tmp_path):
 
     from mars_jax import lm_eval_adapter
 
-    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate",
-                        lambda: MarsLM(workdir=str(tmp_path), threshold=2.0))
+    monkeypatch.setattr(
+        lm_eval.__main__, "cli_evaluate", lambda: MarsLM(workdir=str(tmp_path), threshold=2.0)
+    )
     with pytest.raises(SystemExit) as exit_:
         lm_eval_adapter.main()
     assert exit_.value.code == "error: mars_jax: threshold must lie in (0, 1], got 2.0"

@@ -36,9 +36,14 @@ def test_tiny_plan_on_v5e_2x2():
     # refused by) any other process using libtpu.
     env = python_env(ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     out = run_python(
-        "launch/memory_plan.py", "--config=configs/tiny.py:mars", "--topology=v5e:2x2",
-        "--grad_accum_steps=1,3", "--remat=none", "--config.objective.max_label_tokens=64",
-        "--json", env=env,
+        "launch/memory_plan.py",
+        "--config=configs/tiny.py:mars",
+        "--topology=v5e:2x2",
+        "--grad_accum_steps=1,3",
+        "--remat=none",
+        "--config.objective.max_label_tokens=64",
+        "--json",
+        env=env,
     )
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2
@@ -63,7 +68,10 @@ def test_tiny_plan_on_v5e_2x2():
     assert ok["temp_bytes"] >= 4 * 64 * cfg.model.vocab_size * 4
     assert ok["code_bytes"] > 0
     assert ok["peak_bytes"] == (
-        ok["argument_bytes"] + ok["output_bytes"] - ok["alias_bytes"] + ok["temp_bytes"]
+        ok["argument_bytes"]
+        + ok["output_bytes"]
+        - ok["alias_bytes"]
+        + ok["temp_bytes"]
         + ok["code_bytes"]
     )
     assert ok["peak_bytes"] < GiB and ok["fits"] is True

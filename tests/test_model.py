@@ -12,10 +12,11 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY, hf_logits, save_hf
 from mars_jax import huggingface, kv_cache
 from mars_jax.kv_cache import SELECT_MAX_SLOTS, init_cache, read_window, write_window
 from mars_jax.model import ModelConfig, RMSNorm, causal_mask, rope_tables
+
+from conftest import TINY, hf_logits, save_hf
 
 
 @nnx.jit
@@ -194,8 +195,10 @@ def with_stored_head(src, dst, head_fn, *, shards=1):
     for fname in sorted(set(files.values())):
         part = {n: tensors[n] for n in names if files[n] == fname}
         save_file(part, str(dst / fname), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-             "weight_map": files}
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": files,
+    }
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     return dst
 
@@ -220,8 +223,10 @@ def test_tied_checkpoint_with_an_equal_stored_head_loads(tied_ckpt, tmp_path, ca
     ref = hf_logits(hf, ids, attention_mask=valid.astype(np.int64))
     theirs = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype="float32").eval()
     np.testing.assert_allclose(
-        hf_logits(theirs, ids, attention_mask=valid.astype(np.int64))[valid], ref[valid],
-        rtol=0, atol=1e-5,
+        hf_logits(theirs, ids, attention_mask=valid.astype(np.int64))[valid],
+        ref[valid],
+        rtol=0,
+        atol=1e-5,
     )
     # ... and so does every loader of ours, to the parameters of the checkpoint without it.
     caplog.set_level("INFO", logger="absl")
@@ -260,8 +265,10 @@ def test_tied_checkpoint_with_a_different_stored_head_is_an_error(tied_ckpt, tmp
         with pytest.raises(ValueError) as err:
             load()
         message = str(err.value)
-        assert f"'lm_head.weight' ({head_file}) differs from 'model.embed_tokens.weight' " \
-               f"({emb_file})" in message, message
+        assert (
+            f"'lm_head.weight' ({head_file}) differs from 'model.embed_tokens.weight' "
+            f"({emb_file})" in message
+        ), message
         assert "row 90" in message and "largest absolute difference 0.5" in message, message
 
 
@@ -281,8 +288,11 @@ def test_stored_head_is_compared_block_by_block(tied_ckpt, tmp_path, monkeypatch
 def test_tied_checkpoint_with_a_wrongly_shaped_stored_head_is_an_error(tied_ckpt, tmp_path):
     path, _ = tied_ckpt
     ckpt = with_stored_head(path, tmp_path / "head", lambda e: e[:, :16])
-    with pytest.raises(ValueError, match=r"'lm_head\.weight' has shape \(96, 16\), but the "
-                                         r"config ties it to 'model\.embed_tokens\.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'lm_head\.weight' has shape \(96, 16\), but the "
+        r"config ties it to 'model\.embed_tokens\.weight'",
+    ):
         huggingface.load_hf(str(ckpt))
 
 
@@ -297,14 +307,18 @@ def test_untied_config_without_lm_head_is_an_error(tied_ckpt, tmp_path):
 def test_dropped_bias_is_an_error(tied_ckpt, tmp_path):
     path = copy_ckpt(tied_ckpt[0], tmp_path / "no_bias")
     edit_tensors(path, lambda t: t.pop("model.layers.0.self_attn.k_proj.bias"))
-    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
+    with pytest.raises(
+        ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"
+    ):
         huggingface.load_hf(str(path))
 
 
 def test_shape_mismatch_is_an_error(tied_ckpt, tmp_path):
     path = copy_ckpt(tied_ckpt[0], tmp_path / "shape")
     edit_config(path, intermediate_size=48)  # the checkpoint's MLP is 64 wide
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight' has shape"):
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight' has shape"
+    ):
         huggingface.load_hf(str(path))
 
 
@@ -360,8 +374,13 @@ def test_old_style_rope_theta_is_read():
 
 def test_embedding_rows_come_from_config_vocab_size(tmp_path):
     # Qwen2.5's 151,936 embedding rows (> the tokenizer's 151,666 ids), on a very narrow model.
-    small = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                 num_attention_heads=2, num_key_value_heads=1)
+    small = dict(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     hf = save_hf(tmp_path / "big_vocab", seed=5, vocab_size=151936, **small)
     model = huggingface.load_hf(str(tmp_path / "big_vocab"))
     assert model.cfg.vocab_size == 151936
@@ -387,7 +406,9 @@ def test_bf16_compute_close_to_fp32(untied_ckpt):
     assert bf16.layers.self_attn.q_proj.kernel[...].dtype == jnp.float32
     ids, valid = right_padded_batch(TINY["vocab_size"], [12, 12, 12], 12, seed=4)
     positions = jnp.broadcast_to(jnp.arange(12), (3, 12))
-    hidden = nnx.eval_shape(lambda m: m(jnp.asarray(ids, jnp.int32), positions, causal_mask(12))[0], bf16)
+    hidden = nnx.eval_shape(
+        lambda m: m(jnp.asarray(ids, jnp.int32), positions, causal_mask(12))[0], bf16
+    )
     assert hidden.dtype == jnp.bfloat16
     lo = our_logits(bf16, ids)
     assert lo.dtype == np.float32
@@ -413,9 +434,18 @@ def test_rope_tables_are_fp32_and_exact():
 
 
 def test_rmsnorm_of_bf16_input_is_computed_in_fp32():
-    cfg = ModelConfig(vocab_size=8, hidden_size=512, intermediate_size=8, num_layers=1,
-                      num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
-                      dtype="bfloat16", param_dtype="float32")
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=512,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        dtype="bfloat16",
+        param_dtype="float32",
+    )
     norm = RMSNorm(512, 1e-6, cfg)
     rng = np.random.default_rng(0)
     w = (1 + 0.5 * rng.standard_normal(512)).astype(np.float32)
@@ -427,7 +457,7 @@ def test_rmsnorm_of_bf16_input_is_computed_in_fp32():
     y = norm(x)
     assert y.dtype == jnp.bfloat16
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
-    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * w
     # Only the final rounding to bf16 is allowed: relative error <= 2^-8 (half an ulp + slack).
     np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=2.0**-8, atol=1e-6)
 
@@ -452,15 +482,21 @@ def test_chunked_cached_forward_equals_full_forward(untied_ckpt):
     for start, stop in [(0, split), (split, t)]:
         q = jnp.arange(start, stop)
         mask = jnp.broadcast_to(slot[None, :] <= q[:, None], (b, stop - start, slots))
-        h, cache = run(model, ids[:, start:stop], pos[:, start:stop], mask, cache,
-                       jnp.full((b,), start, jnp.int32))
+        h, cache = run(
+            model,
+            ids[:, start:stop],
+            pos[:, start:stop],
+            mask,
+            cache,
+            jnp.full((b,), start, jnp.int32),
+        )
         outs.append(h)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=0, atol=1e-5
+    )
     # Slots past the written prefix are untouched.
     assert float(jnp.abs(cache["k"][:, :, t:]).max()) == 0.0
     assert all(float(jnp.abs(cache["k"][i, :, t - 1]).max()) > 0 for i in range(layers))
-
 
 
 # Per-row windows: write_window / read_window as called (on CPU: the vmapped dynamic slices), and
@@ -482,12 +518,14 @@ def test_write_window_writes_each_row_at_its_own_positions(impl, t, dtype):
     ref = x.copy()
     for i in range(r):
         ref[i, start[i] : start[i] + t] = new[i]
-    out = jax.jit(ROW_WRITES[impl])(jnp.asarray(x, dtype), jnp.asarray(new, dtype),
-                                    jnp.asarray(start))
+    out = jax.jit(ROW_WRITES[impl])(
+        jnp.asarray(x, dtype), jnp.asarray(new, dtype), jnp.asarray(start)
+    )
     assert out.dtype == jnp.dtype(dtype) and out.shape == x.shape
     ref = jnp.asarray(ref, dtype)  # bf16: the same rounding of the same inputs
-    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
-                                  np.asarray(ref.astype(jnp.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+    )
 
 
 @pytest.mark.parametrize("impl", ROW_READS)
@@ -500,7 +538,8 @@ def test_read_window_reads_each_row_at_its_own_positions(impl, size, shape):
     start = np.array([0, n - size, 3, 11, 3], np.int32)
     ref = np.stack([x[i, start[i] : start[i] + size] for i in range(r)])
     for dtype in ("int32", "float32"):
-        out = jax.jit(ROW_READS[impl], static_argnums=2)(jnp.asarray(x, dtype),
-                                                         jnp.asarray(start), size)
+        out = jax.jit(ROW_READS[impl], static_argnums=2)(
+            jnp.asarray(x, dtype), jnp.asarray(start), size
+        )
         assert out.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(out), ref.astype(dtype))

@@ -14,7 +14,6 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
 from mars_jax import objectives, settings, train, train_step
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples
@@ -22,6 +21,8 @@ from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import load_rows
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
+
+from conftest import tiny_config
 
 
 def leaf_bytes(tree):
@@ -57,8 +58,16 @@ def steep_loss(model, batch, obj):
 def test_step_skips_a_nonfinite_update_and_keeps_the_state_bitwise(case, monkeypatch):
     """Bad token in one row (one of 2 micro-batches): the whole update is skipped, parameters
     and optimizer state come back bit for bit; the same step on a clean batch updates."""
-    cfg = ModelConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     graphdef, params = nnx.split(Qwen2(cfg, rngs=nnx.Rngs(0)))
     if case == "forward":  # an infinite embedding row: RMSNorm gives inf * 0 = NaN in its row
         embedding = params["embed_tokens"]["embedding"]
@@ -70,8 +79,13 @@ def test_step_skips_a_nonfinite_update_and_keeps_the_state_bitwise(case, monkeyp
     labels[:, :3] = IGNORE_INDEX
     clean = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
     bad = {"input_ids": clean["input_ids"].at[3, 5].set(BAD), "labels": clean["labels"]}
-    obj = types.SimpleNamespace(name="ar", normalization="sequence", noisy_weighting="none",
-                                max_label_tokens=None, ce_chunk_size=0)
+    obj = types.SimpleNamespace(
+        name="ar",
+        normalization="sequence",
+        noisy_weighting="none",
+        max_label_tokens=None,
+        ce_chunk_size=0,
+    )
     tx = optax.adam(1e-2)
     opt_state = tx.init(params)
     step = jax.jit(train_step.make_train_step(graphdef, tx, obj, grad_accum_steps=2))
@@ -107,10 +121,17 @@ POISONED = (1, 3, 4)  # batch positions (steps 2, 4 and 5) that get a marked exa
 
 # configs/tiny.py (stage ar) shrunk to a few seconds a step.
 SMALL_RUN = {
-    "train.num_steps": NUM_STEPS, "train.batch_size": 4, "train.log_every": 1,
-    "train.save_every": 1, "train.max_to_keep": 10, "train.learning_rate": LR,
-    "train.max_consecutive_skips": 2, "data.num_synthetic_train": 32,
-    "model.num_layers": 1, "model.hidden_size": 32, "model.intermediate_size": 64,
+    "train.num_steps": NUM_STEPS,
+    "train.batch_size": 4,
+    "train.log_every": 1,
+    "train.save_every": 1,
+    "train.max_to_keep": 10,
+    "train.learning_rate": LR,
+    "train.max_consecutive_skips": 2,
+    "data.num_synthetic_train": 32,
+    "model.num_layers": 1,
+    "model.hidden_size": 32,
+    "model.intermediate_size": 64,
     "model.head_dim": 8,
 }
 
@@ -132,11 +153,12 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
         """The real examples, with <|mask|> (never in an AR input) as the first token of the
         first example of each POISONED batch."""
         out = real_examples(cfg, tok)
-        batches = batched_dataset(out, batch_size=4, max_length=cfg.data.max_length,
-                                       seed=cfg.seed)
+        batches = batched_dataset(out, batch_size=4, max_length=cfg.data.max_length, seed=cfg.seed)
         rows = {int(batches[p]["row_ids"][0]) for p in POISONED}
-        out = [e._replace(input_ids=np.r_[MASK_ID, e.input_ids[1:]]) if e.row in rows else e
-               for e in out]
+        out = [
+            e._replace(input_ids=np.r_[MASK_ID, e.input_ids[1:]]) if e.row in rows else e
+            for e in out
+        ]
         examples["list"] = out
         return out
 
@@ -167,8 +189,9 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
             warned[int(text.split()[1])] = json.loads(text.rsplit(": ", 1)[1])
     assert sorted(warned) == [2, 4, 5]
     by_row = {e.row: e for e in examples["list"]}
-    batches = batched_dataset(examples["list"], batch_size=4,
-                                   max_length=cfg.data.max_length, seed=cfg.seed)
+    batches = batched_dataset(
+        examples["list"], batch_size=4, max_length=cfg.data.max_length, seed=cfg.seed
+    )
     for step, rows in warned.items():
         ids = batches[step - 1]["input_ids"]
         assert len(rows) == 4 and MASK_ID in ids
@@ -193,8 +216,9 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
     def rate(updates):
         return 0.0 if updates == 0 else LR * (1 - (updates - 1) / (NUM_STEPS - 1))
 
-    np.testing.assert_allclose([r["learning_rate"] for r in records],
-                               [rate(0), rate(1), rate(1), rate(2)], rtol=1e-6)
+    np.testing.assert_allclose(
+        [r["learning_rate"] for r in records], [rate(0), rate(1), rate(1), rate(2)], rtol=1e-6
+    )
 
     # Resuming with the limit changed (allowed) and 0 (never stop): step 5 skips again.
     caplog.clear()
@@ -232,8 +256,9 @@ def test_examples_and_batches_carry_source_row_ids():
         alone, _ = build_examples([rows[e.row]], tok, "gsm8k", max_length=128, block_size=4)
         np.testing.assert_array_equal(alone[0].input_ids, e.input_ids)
 
-    kw = dict(batch_size=4, max_length=128, seed=0, shuffle=False, num_epochs=1,
-              drop_remainder=False)
+    kw = dict(
+        batch_size=4, max_length=128, seed=0, shuffle=False, num_epochs=1, drop_remainder=False
+    )
     batches = batched_dataset(examples, **kw)
     assert [b["row_ids"].tolist() for b in batches] == [[0, 1, 3, 4], [5, -1, -1, -1]]
     assert batches[0]["row_ids"].dtype == np.int32

@@ -17,7 +17,6 @@ import pytest
 import torch
 from flax import nnx
 
-from conftest import TINY
 from mars_jax import huggingface
 from mars_jax.config import ObjectiveConfig
 from mars_jax.model import causal_mask
@@ -33,16 +32,31 @@ from mars_jax.objectives import (
     target_positions,
 )
 
+from conftest import TINY
+
 V = TINY["vocab_size"]
 MASK_ID, EOS_ID, PAD_ID = V - 1, V - 2, V - 3
 
 
-def obj_cfg(name="mars", block_size=4, ar_weight=1.0, normalization="sequence", max_label_tokens=None,
-            ce_chunk_size=0, noisy_weighting="none"):
-    return ObjectiveConfig(name=name, block_size=block_size, ar_weight=ar_weight,
-                           normalization=normalization, max_label_tokens=max_label_tokens,
-                           mask_id=MASK_ID, ce_chunk_size=ce_chunk_size,
-                           noisy_weighting=noisy_weighting)
+def obj_cfg(
+    name="mars",
+    block_size=4,
+    ar_weight=1.0,
+    normalization="sequence",
+    max_label_tokens=None,
+    ce_chunk_size=0,
+    noisy_weighting="none",
+):
+    return ObjectiveConfig(
+        name=name,
+        block_size=block_size,
+        ar_weight=ar_weight,
+        normalization=normalization,
+        max_label_tokens=max_label_tokens,
+        mask_id=MASK_ID,
+        ce_chunk_size=ce_chunk_size,
+        noisy_weighting=noisy_weighting,
+    )
 
 
 def make_batch(seed, block, shapes, length=None):
@@ -58,8 +72,12 @@ def make_batch(seed, block, shapes, length=None):
         ids = rng.integers(0, V - 3, p + a)
         labels = np.concatenate([np.full(p, IGNORE_INDEX), ids[p:]])
         pad = -(p + a) % block if a else 0
-        rows.append((np.concatenate([ids, np.full(pad, EOS_ID)]),
-                     np.concatenate([labels, np.full(pad, EOS_ID)])))
+        rows.append(
+            (
+                np.concatenate([ids, np.full(pad, EOS_ID)]),
+                np.concatenate([labels, np.full(pad, EOS_ID)]),
+            )
+        )
     longest = max(len(i) for i, _ in rows)
     length = length or (-(-longest // block) + 1) * block
     assert length >= longest and length % block == 0
@@ -67,7 +85,10 @@ def make_batch(seed, block, shapes, length=None):
     labels = np.full((len(rows), length), IGNORE_INDEX)
     for r, (i, l) in enumerate(rows):
         input_ids[r, : len(i)], labels[r, : len(l)] = i, l
-    return {"input_ids": jnp.asarray(input_ids, jnp.int32), "labels": jnp.asarray(labels, jnp.int32)}
+    return {
+        "input_ids": jnp.asarray(input_ids, jnp.int32),
+        "labels": jnp.asarray(labels, jnp.int32),
+    }
 
 
 def forward(model, ids, pos, mask):
@@ -135,8 +156,10 @@ def reference_ce(model, hidden, labels, normalization, xp=np, row_weights=None):
 
 @pytest.fixture(scope="module")
 def models(tied_ckpt, untied_ckpt):
-    return {"tied": huggingface.load_hf(str(tied_ckpt[0])),
-            "untied": huggingface.load_hf(str(untied_ckpt[0]))}
+    return {
+        "tied": huggingface.load_hf(str(tied_ckpt[0])),
+        "untied": huggingface.load_hf(str(untied_ckpt[0])),
+    }
 
 
 # Prompt + answer lengths: a multiple of every block size (16), of 2 and 4 only (12), of none.
@@ -153,15 +176,22 @@ def test_mars_attention_means_blockwise_denoising(models, which, block):
     labelled = np.asarray(batch["labels"] != IGNORE_INDEX)
     assert labelled.sum() > 20
     # Every labelled position (and, by the same definition, every other one).
-    np.testing.assert_allclose(np.asarray(noisy_h)[labelled], np.asarray(ref_noisy)[labelled],
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(noisy_h)[labelled], np.asarray(ref_noisy)[labelled], rtol=0, atol=1e-5
+    )
     np.testing.assert_allclose(np.asarray(noisy_h), np.asarray(ref_noisy), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(clean_h), np.asarray(causal_forward(model, batch["input_ids"])),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(clean_h),
+        np.asarray(causal_forward(model, batch["input_ids"])),
+        rtol=0,
+        atol=1e-5,
+    )
     # Non-trivial: masks really change the labelled positions, and the clean context of earlier
     # blocks is really used (a causal pass over the all-noisy sequence differs).
     assert np.abs(np.asarray(noisy_h - clean_h))[labelled].max() > 0.1
-    all_noisy = causal_forward(model, jnp.where(batch["labels"] != IGNORE_INDEX, MASK_ID, batch["input_ids"]))
+    all_noisy = causal_forward(
+        model, jnp.where(batch["labels"] != IGNORE_INDEX, MASK_ID, batch["input_ids"])
+    )
     late = labelled & (np.arange(labelled.shape[1]) >= block)[None]
     assert np.abs(np.asarray(noisy_h - all_noisy))[late].max() > 0.1
 
@@ -198,8 +228,9 @@ def test_mars_loss_decomposition(loss_setup, ar_weight, normalization):
     labels = batch["labels"]
     noisy = reference_ce(model, noisy_h, labels, normalization)
     clean = reference_ce(model, clean_h, labels, normalization)
-    loss, metrics = mars_loss(model, batch, obj_cfg(block_size=block, ar_weight=ar_weight,
-                                                    normalization=normalization))
+    loss, metrics = mars_loss(
+        model, batch, obj_cfg(block_size=block, ar_weight=ar_weight, normalization=normalization)
+    )
     np.testing.assert_allclose(float(metrics["noisy_loss"]), noisy, rtol=0, atol=1e-5)
     np.testing.assert_allclose(float(metrics["clean_loss"]), clean, rtol=0, atol=1e-5)
     np.testing.assert_allclose(float(loss), noisy + ar_weight * clean, rtol=0, atol=1e-5)
@@ -218,15 +249,17 @@ def test_inverse_t_weighting_scales_each_rows_noisy_ce(loss_setup, normalization
     assert not np.array_equal(weights, noisy_row_weights(3, 8, rows))  # fresh t every batch
     t = 1.0 / np.asarray(weights, np.float64) - 1e-6
     assert np.all((t >= 1e-3 - 1e-6) & (t <= 1.0 + 1e-6)) and len(set(t.round(6))) == rows
-    cfg = obj_cfg(block_size=block, ar_weight=0.0, normalization=normalization,
-                  noisy_weighting="inverse_t")
+    cfg = obj_cfg(
+        block_size=block, ar_weight=0.0, normalization=normalization, noisy_weighting="inverse_t"
+    )
     loss, metrics = mars_loss(model, {**batch, NOISY_WEIGHT: weights}, cfg)
     expected = reference_ce(model, noisy_h, labels, normalization, row_weights=weights)
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
     unweighted = reference_ce(model, noisy_h, labels, normalization)
     assert abs(expected - unweighted) > 1e-2  # the weights matter on this batch
-    np.testing.assert_allclose(float(metrics["clean_loss"]),
-                               reference_ce(model, clean_h, labels, normalization), atol=1e-5)
+    np.testing.assert_allclose(
+        float(metrics["clean_loss"]), reference_ce(model, clean_h, labels, normalization), atol=1e-5
+    )
     with pytest.raises(ValueError, match=NOISY_WEIGHT):
         mars_loss(model, batch, cfg)
 
@@ -274,7 +307,9 @@ def test_ar_weight_zero_gradient_is_noisy_ce_gradient(loss_setup):
     scale = max(float(jnp.abs(x).max()) for x in lr)
     assert scale > 1e-3
     for a, b in zip(l0, lr):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * max(1.0, scale))
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * max(1.0, scale)
+        )
     diff = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g1), lr))
     assert diff > 1e-3  # with ar_weight 1 the clean CE contributes
 
@@ -287,18 +322,25 @@ def test_max_label_tokens_covering_all_labels_changes_nothing(loss_setup):
     for norm in ("sequence", "token"):
         full, m_full = mars_loss(model, batch, obj_cfg(block_size=block, normalization=norm))
         for k in (most, most + 3):
-            cut, m_cut = mars_loss(model, batch, obj_cfg(block_size=block, normalization=norm,
-                                                         max_label_tokens=k))
+            cut, m_cut = mars_loss(
+                model, batch, obj_cfg(block_size=block, normalization=norm, max_label_tokens=k)
+            )
             np.testing.assert_allclose(float(cut), float(full), rtol=0, atol=1e-6)
             assert int(m_cut["label_tokens"]) == int(m_full["label_tokens"])
         ar_full, _ = ar_loss(model, batch, obj_cfg(name="ar", normalization=norm))
-        ar_cut, _ = ar_loss(model, batch, obj_cfg(name="ar", normalization=norm, max_label_tokens=most))
+        ar_cut, _ = ar_loss(
+            model, batch, obj_cfg(name="ar", normalization=norm, max_label_tokens=most)
+        )
         np.testing.assert_allclose(float(ar_cut), float(ar_full), rtol=0, atol=1e-6)
 
 
 def test_target_positions():
-    labels = jnp.array([[IGNORE_INDEX, IGNORE_INDEX, 5, 6, IGNORE_INDEX, 7],
-                        [IGNORE_INDEX, 9, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]])
+    labels = jnp.array(
+        [
+            [IGNORE_INDEX, IGNORE_INDEX, 5, 6, IGNORE_INDEX, 7],
+            [IGNORE_INDEX, 9, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX],
+        ]
+    )
     pos, tgt, valid = target_positions(labels, 4)
     assert pos.shape == tgt.shape == valid.shape == (2, 4)
     # Output t predicts labels[t + 1]: row 0 positions 1, 2, 4 -> 5, 6, 7; row 1 position 0 -> 9.
@@ -318,8 +360,14 @@ def test_ar_loss_equals_transformers_shifted_ce(tied_ckpt, models, normalization
         if normalization == "token":  # transformers' loss: mean over all labelled tokens
             expected = float(hf(input_ids=ids, labels=labels).loss)
         else:
-            expected = float(np.mean([float(hf(input_ids=ids[r : r + 1], labels=labels[r : r + 1]).loss)
-                                      for r in range(ids.shape[0])]))
+            expected = float(
+                np.mean(
+                    [
+                        float(hf(input_ids=ids[r : r + 1], labels=labels[r : r + 1]).loss)
+                        for r in range(ids.shape[0])
+                    ]
+                )
+            )
     loss, metrics = ar_loss(model, batch, obj_cfg(name="ar", normalization=normalization))
     np.testing.assert_allclose(float(loss), expected, rtol=0, atol=2e-5)
     assert float(metrics["clean_loss"]) == float(loss)
@@ -346,7 +394,9 @@ def test_objective_errors(models):
         obj_cfg().block_size = 8
     # cross_entropy keeps its own guard for duck-typed settings.
     with pytest.raises(ValueError, match="normalization"):
-        ar_loss(model, batch, SimpleNamespace(**{**vars(obj_cfg(name="ar")), "normalization": "batch"}))
+        ar_loss(
+            model, batch, SimpleNamespace(**{**vars(obj_cfg(name="ar")), "normalization": "batch"})
+        )
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 8])
@@ -359,8 +409,9 @@ def test_chunked_cross_entropy_equals_full(loss_setup, chunk):
     assert most > chunk and most % 3
 
     def loss(p, chunk_size):
-        cfg = obj_cfg(block_size=block, ar_weight=0.5, ce_chunk_size=chunk_size,
-                      max_label_tokens=most)
+        cfg = obj_cfg(
+            block_size=block, ar_weight=0.5, ce_chunk_size=chunk_size, max_label_tokens=most
+        )
         return mars_loss(nnx.merge(graphdef, p), batch, cfg)[0]
 
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)

@@ -7,9 +7,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import ROOT, run_python, tiny_config
 from mars_jax import settings, train
 
+from conftest import ROOT, run_python, tiny_config
 
 tiny = tiny_config  # configs/tiny.py with overrides ("a__b" = "a.b")
 
@@ -93,7 +93,9 @@ def test_heads_of_init_from():
     cfg = tiny(init_from="/models/q", mesh__data=4, mesh__tensor=2)
     settings.check_devices(cfg, 8, heads=(14, 2))
     with pytest.raises(settings.SettingError) as e:
-        settings.check_devices(tiny(init_from="/models/q", mesh__data=2, mesh__tensor=4), 8, (14, 2))
+        settings.check_devices(
+            tiny(init_from="/models/q", mesh__data=2, mesh__tensor=4), 8, (14, 2)
+        )
     one_line_error(e, "mesh.rules.heads=", "splits the 14 heads", "init_from='/models/q'")
 
 
@@ -103,10 +105,24 @@ def test_missing_paths(tmp_path):
     cases = [
         # A messages run without an evaluation file: found before the first step.
         ({"data__source": "messages", "data__train_path": str(rows)}, "data.eval_path", "''"),
-        ({"data__source": "messages", "data__train_path": str(tmp_path / "no.jsonl"),
-          "data__eval_path": str(rows)}, "data.train_path", "no.jsonl"),
-        ({"data__source": "gsm8k", "data__train_path": str(rows),
-          "data__eval_path": str(tmp_path / "test.jsonl")}, "data.eval_path", "test.jsonl"),
+        (
+            {
+                "data__source": "messages",
+                "data__train_path": str(tmp_path / "no.jsonl"),
+                "data__eval_path": str(rows),
+            },
+            "data.train_path",
+            "no.jsonl",
+        ),
+        (
+            {
+                "data__source": "gsm8k",
+                "data__train_path": str(rows),
+                "data__eval_path": str(tmp_path / "test.jsonl"),
+            },
+            "data.eval_path",
+            "test.jsonl",
+        ),
         ({"init_from": str(tmp_path / "run")}, "init_from", "run"),
         ({"tokenizer_path": str(tmp_path / "tok")}, "tokenizer_path", "tok"),
     ]
@@ -116,8 +132,9 @@ def test_missing_paths(tmp_path):
         one_line_error(e, f"{key}=", value)
         assert isinstance(e.value, FileNotFoundError)
     # Evaluation alone needs neither the training file nor init_from.
-    settings.check(tiny(data__source="messages", data__eval_path=str(rows), init_from="/nope"),
-                   training=False)
+    settings.check(
+        tiny(data__source="messages", data__eval_path=str(rows), init_from="/nope"), training=False
+    )
 
 
 def _no_compile(*args, **kwargs):
@@ -152,8 +169,10 @@ def test_cli_config_typo_is_one_line(tmp_path):
     # With --config given the overrides are parsed later, by app.run: the same line.
     proc = _cli(f"--workdir={tmp_path}", "--config=configs/tiny.py:mars", "--config.trian.seed=1")
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: --config.trian.seed: unknown config key 'trian'; did you mean 'train'?"
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: --config.trian.seed: unknown config key 'trian'; did you mean 'train'?")
     ), proc.stderr[-3000:]
 
 

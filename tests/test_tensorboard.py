@@ -30,9 +30,7 @@ def _scalars(logdir):
     """{tag: [(step, value)]} of every scalar TensorBoard shows for ``logdir``."""
     acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
-    return {
-        tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
-    }
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_event_files_hold_the_metrics_of_metrics_jsonl_after_a_resume(tmp_path):

@@ -12,7 +12,9 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 QWEN2_DIR = DATA / "qwen2-tokenizer"
 GSM8K_TEST = DATA / "gsm8k" / "test.jsonl"
 
-needs_qwen2 = pytest.mark.skipif(not (QWEN2_DIR / "vocab.json").exists(), reason=f"{QWEN2_DIR} absent")
+needs_qwen2 = pytest.mark.skipif(
+    not (QWEN2_DIR / "vocab.json").exists(), reason=f"{QWEN2_DIR} absent"
+)
 needs_gsm8k = pytest.mark.skipif(not GSM8K_TEST.exists(), reason=f"{GSM8K_TEST} absent")
 
 
@@ -37,8 +39,12 @@ def hf_tokenizer(directory):
 
 
 def hf_chat_ids(hf, messages, add_generation_prompt):
-    out = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 returns a BatchEncoding
+    out = hf.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(
+        out["input_ids"] if hasattr(out, "keys") else out
+    )  # transformers 5 returns a BatchEncoding
 
 
 def conversations(rows):
@@ -47,7 +53,10 @@ def conversations(rows):
     a = [r["answer"] for r in rows]
     return [
         [{"role": "user", "content": q[0]}],
-        [{"role": "system", "content": "Solve the math problem step by step."}, {"role": "user", "content": q[1]}],
+        [
+            {"role": "system", "content": "Solve the math problem step by step."},
+            {"role": "user", "content": q[1]},
+        ],
         [
             {"role": "system", "content": "You are a careful tutor."},
             {"role": "user", "content": q[2]},
@@ -89,14 +98,21 @@ def test_chat_template_ids_match_transformers(qwen2, gsm8k, add_generation_promp
     for messages in conversations(gsm8k):
         ours = qwen2.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         assert ours == hf_chat_ids(hf, messages, add_generation_prompt)
-        if messages[-1]["role"] == "user":  # the shared Qwen2 template opens an assistant turn after each user turn
+        if (
+            messages[-1]["role"] == "user"
+        ):  # the shared Qwen2 template opens an assistant turn after each user turn
             assert ours[-3:] == [T.IM_START_ID, 77091, 198]
         assert qwen2.encode(qwen2.render_chat(messages, add_generation_prompt)) == ours
 
 
 def test_special_ids(offline):
     assert len(offline) == 151666
-    assert (offline.pad_id, offline.bos_id, offline.eos_id, offline.mask_id) == (151643, 151643, 151645, 151665)
+    assert (offline.pad_id, offline.bos_id, offline.eos_id, offline.mask_id) == (
+        151643,
+        151643,
+        151645,
+        151665,
+    )
     assert T.MASK_ID == offline.mask_id and T.MASK_TOKEN == "<|mask|>"
     assert [i for i, _, _ in T.CONTROL_TOKENS] == list(range(151643, 151665))
     for token_id, text, _ in [*T.CONTROL_TOKENS, (T.MASK_ID, T.MASK_TOKEN, True)]:
@@ -122,7 +138,11 @@ def test_offline_default_renders_qwen25_template(offline):
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
     )
-    chat = [{"role": "system", "content": "Be brief."}, *user, {"role": "assistant", "content": "5"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        *user,
+        {"role": "assistant", "content": "5"},
+    ]
     text = offline.render_chat(chat)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
@@ -154,9 +174,14 @@ def test_save_round_trip_through_transformers(offline, gsm8k, tmp_path):
 
 def test_chat_template_jinja_file_wins(offline, tmp_path):
     offline.save(str(tmp_path))
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    )
     tok = T.load_tokenizer(str(tmp_path))
-    assert tok.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "[a][b]"
+    assert (
+        tok.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        == "[a][b]"
+    )
 
 
 @needs_qwen2

@@ -28,6 +28,7 @@ from mars_jax.checkpoints import Checkpoints
 from mars_jax.model import Qwen2, causal_mask
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
+
 from conftest import python_env, run_python
 from train_runs import LR, ROOT, cli_flags, flat_params, get_config
 
@@ -148,16 +149,29 @@ PREEMPT_FLAGS = [f"--config.train.num_steps={PREEMPT_STEPS}", "--config.train.sa
 
 
 def train_cli(workdir):
-    return [sys.executable, "-m", "mars_jax.train", "--config=configs/tiny.py",
-            f"--workdir={workdir}", *cli_flags(), *PREEMPT_FLAGS]
+    return [
+        sys.executable,
+        "-m",
+        "mars_jax.train",
+        "--config=configs/tiny.py",
+        f"--workdir={workdir}",
+        *cli_flags(),
+        *PREEMPT_FLAGS,
+    ]
 
 
 def interrupt(workdir, sig, when="metrics.jsonl", timeout=120):
     """Starts the train command, sends ``sig`` once the file ``when`` of the workdir is not
     empty (metrics.jsonl: after the first step; config.json: during the setup, before anything
     is compiled), waits for it to exit: returns (exit code, stderr)."""
-    proc = subprocess.Popen(train_cli(workdir), cwd=ROOT, env=python_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cli(workdir),
+        cwd=ROOT,
+        env=python_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     marker, deadline = os.path.join(workdir, when), time.time() + timeout
     try:
         while not (os.path.exists(marker) and os.path.getsize(marker) > 0):
@@ -229,13 +243,17 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
     # learning rate 0: one step must leave the stage-1 parameters untouched. The model section
     # is ignored with init_from (the workdir's model.json wins), so give it a different depth.
     cfg = get_config(
-        "mars", init_from=stage1_dir, train__num_steps=1, train__learning_rate=0.0,
+        "mars",
+        init_from=stage1_dir,
+        train__num_steps=1,
+        train__learning_rate=0.0,
         model__num_layers=3,
     )
     last = train.train(cfg, workdir)
-    with open(os.path.join(workdir, "model.json")) as f, open(
-        os.path.join(stage1_dir, "model.json")
-    ) as g:
+    with (
+        open(os.path.join(workdir, "model.json")) as f,
+        open(os.path.join(stage1_dir, "model.json")) as g,
+    ):
         assert json.load(f) == json.load(g)
     s1, tok, _ = wd.load_model(stage1_dir)
     s2, _, _ = wd.load_model(workdir)
@@ -244,7 +262,15 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
 
     (m,) = read_metrics(workdir)
     assert m == last
-    for key in ("step", "loss", "noisy_loss", "clean_loss", "learning_rate", "tokens_per_s", "eta_s"):
+    for key in (
+        "step",
+        "loss",
+        "noisy_loss",
+        "clean_loss",
+        "learning_rate",
+        "tokens_per_s",
+        "eta_s",
+    ):
         assert key in m and math.isfinite(m[key]), key
     assert m["loss"] == pytest.approx(m["noisy_loss"] + cfg.objective.ar_weight * m["clean_loss"])
     # The clean half of MARS is the AR loss: at step 1 it is the stage-1 model's AR loss on the
@@ -271,8 +297,12 @@ def test_inverse_t_weighting_reaches_the_step(stage1, tmp_path):
     losses = []
     for accum in (1, 2):
         cfg = get_config(
-            "mars", init_from=stage1_dir, train__num_steps=1, train__learning_rate=0.0,
-            objective__ar_weight=0.0, objective__noisy_weighting="inverse_t",
+            "mars",
+            init_from=stage1_dir,
+            train__num_steps=1,
+            train__learning_rate=0.0,
+            objective__ar_weight=0.0,
+            objective__noisy_weighting="inverse_t",
             train__grad_accum_steps=accum,
         )
         losses.append(train.train(cfg, str(tmp_path / f"accum{accum}"))["loss"])
@@ -284,7 +314,9 @@ def test_inverse_t_weighting_reaches_the_step(stage1, tmp_path):
     weights = objectives.noisy_row_weights(cfg.seed, 0, cfg.train.batch_size)
     expected, _ = objectives.mars_loss(s1, {**batch, objectives.NOISY_WEIGHT: weights}, obj)
     unweighted, _ = objectives.mars_loss(
-        s1, batch, dataclasses.replace(obj, noisy_weighting="none")  # ObjectiveConfig is frozen
+        s1,
+        batch,
+        dataclasses.replace(obj, noisy_weighting="none"),  # ObjectiveConfig is frozen
     )
     assert losses == pytest.approx([float(expected)] * 2, rel=1e-5)
     assert abs(float(expected) - float(unweighted)) > 0.1 * float(unweighted)
@@ -295,9 +327,16 @@ def make_hf_checkpoint(path):
     saved with save_pretrained, plus the offline tokenizer files (as a release ships them)."""
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=151680, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=512, tie_word_embeddings=True,
+        vocab_size=151680,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
     )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
@@ -326,7 +365,9 @@ def test_init_from_hf_directory(hf_run):
     with open(os.path.join(workdir, "model.json")) as f:
         model_json = json.load(f)
     assert (model_json["vocab_size"], model_json["hidden_size"], model_json["rope_theta"]) == (
-        151680, 32, 5000.0
+        151680,
+        32,
+        5000.0,
     )
     model, tok, _ = wd.load_model(workdir)
     assert tok.mask_id == MASK_ID
@@ -346,8 +387,12 @@ def test_init_from_hf_directory(hf_run):
 def test_cli_rejects_unknown_config_key(tmp_path):
     workdir = tmp_path / "never"
     proc = run_python(
-        "-m", "mars_jax.train", "--config=configs/tiny.py", f"--workdir={workdir}",
-        "--config.train.nope=1", check=False,
+        "-m",
+        "mars_jax.train",
+        "--config=configs/tiny.py",
+        f"--workdir={workdir}",
+        "--config.train.nope=1",
+        check=False,
     )
     assert proc.returncode != 0
     assert "nope" in proc.stderr
@@ -370,8 +415,13 @@ def test_evaluate_in_process(stage1, evaluation):
     assert report["step"] == 4 and report["num_examples"] == 4 and report["block_size"] == 4
     assert [r["threshold"] for r in report["results"]] == [1.0, 0.9]
     for r in report["results"]:
-        for key in ("accuracy", "tokens_per_forward", "tokens_per_s", "mean_length",
-                    "agreement_with_ar"):
+        for key in (
+            "accuracy",
+            "tokens_per_forward",
+            "tokens_per_s",
+            "mean_length",
+            "agreement_with_ar",
+        ):
             assert math.isfinite(r[key]), key
         assert 0 <= r["accuracy"] <= 1 and 0 <= r["agreement_with_ar"] <= 1
         assert r["tokens_per_forward"] >= 1 and r["tokens_per_s"] > 0
@@ -387,15 +437,21 @@ def test_evaluate_in_process(stage1, evaluation):
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
     out = decode.generate(
-        model, ids, np.asarray([len(p) for p in prompts]), block_size=4, threshold=1.0,
+        model,
+        ids,
+        np.asarray([len(p) for p in prompts]),
+        block_size=4,
+        threshold=1.0,
         max_new_tokens=8,
     )
     assert one["mean_length"] == pytest.approx(np.mean(out.lengths))
 
     # Teacher-forced NLL of answer + <|im_end|> after the prompt, sequences cut at max_length.
     max_length = cfg.data.max_length
-    seqs = [(p + tok.encode(answer) + [IM_END_ID])[:max_length] for (_, answer), p in
-            zip(examples, prompts)]
+    seqs = [
+        (p + tok.encode(answer) + [IM_END_ID])[:max_length]
+        for (_, answer), p in zip(examples, prompts)
+    ]
     batch = np.zeros((4, max_length), np.int32)
     for i, s in enumerate(seqs):
         batch[i, : len(s)] = s
@@ -403,7 +459,7 @@ def test_evaluate_in_process(stage1, evaluation):
     nll = []
     for i, (s, p) in enumerate(zip(seqs, prompts)):
         logp = jax.nn.log_softmax(model.logits(hidden[i, len(p) - 1 : len(s) - 1]), axis=-1)
-        nll += (-np.asarray(logp)[np.arange(len(s) - len(p)), s[len(p):]]).tolist()
+        nll += (-np.asarray(logp)[np.arange(len(s) - len(p)), s[len(p) :]]).tolist()
     assert len(nll) > 4 * 8
     assert report["ar_nll"] == pytest.approx(np.mean(nll), rel=1e-4)
 
@@ -411,8 +467,9 @@ def test_evaluate_in_process(stage1, evaluation):
 @pytest.mark.subprocess
 def test_evaluate_cli_writes_the_in_process_report(stage1, evaluation):
     workdir, _, _ = stage1
-    run_python("-m", "mars_jax.evaluate", "--config=configs/tiny.py", f"--workdir={workdir}",
-               *cli_flags())
+    run_python(
+        "-m", "mars_jax.evaluate", "--config=configs/tiny.py", f"--workdir={workdir}", *cli_flags()
+    )
     with open(os.path.join(workdir, "eval.json")) as f:
         cli_report = json.load(f)
     expected = evaluation[0]
@@ -451,7 +508,11 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
     expected = decode.generate(
-        model, ids, np.asarray([len(p) for p in prompts]), block_size=4, threshold=0.9,
+        model,
+        ids,
+        np.asarray([len(p) for p in prompts]),
+        block_size=4,
+        threshold=0.9,
         max_new_tokens=8,
     )
     assert len(results) == 2
@@ -465,8 +526,13 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
         assert len(obj["tokens"]) <= 8
 
     proc = run_python(
-        "-m", "mars_jax.generate", f"--workdir={workdir}", *[f"--prompt={q}" for q in questions],
-        "--threshold=0.9", "--max_new_tokens=8", "--json",
+        "-m",
+        "mars_jax.generate",
+        f"--workdir={workdir}",
+        *[f"--prompt={q}" for q in questions],
+        "--threshold=0.9",
+        "--max_new_tokens=8",
+        "--json",
     )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert [json.loads(line) for line in lines] == results
@@ -474,7 +540,11 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
     # Streaming in process: the chunks of each row add up to its text, in decoder order.
     chunks = []
     streamed = generate.complete(
-        workdir, questions, threshold=[0.9, 1.0], max_new_tokens=8, cache_mode="block",
+        workdir,
+        questions,
+        threshold=[0.9, 1.0],
+        max_new_tokens=8,
+        cache_mode="block",
         stream=lambda row, text: chunks.append((row, text)),
     )
     assert streamed[0]["tokens"] == results[0]["tokens"]  # block mode, same greedy tokens here
@@ -483,20 +553,33 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
     # The CLI with a prompts file (the second row brings its own threshold) and --stream.
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(
-        json.dumps({"prompt": questions[0]}) + "\n"
-        + json.dumps({"prompt": questions[1], "threshold": 1.0}) + "\n"
+        json.dumps({"prompt": questions[0]})
+        + "\n"
+        + json.dumps({"prompt": questions[1], "threshold": 1.0})
+        + "\n"
     )
     proc = run_python(
-        "-m", "mars_jax.generate", f"--workdir={workdir}", f"--prompts_file={prompts_file}",
-        "--threshold=0.9", "--max_new_tokens=8", "--cache_mode=block", "--stream",
+        "-m",
+        "mars_jax.generate",
+        f"--workdir={workdir}",
+        f"--prompts_file={prompts_file}",
+        "--threshold=0.9",
+        "--max_new_tokens=8",
+        "--cache_mode=block",
+        "--stream",
     )
     cli_chunks = [line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith("[")]
     for i, obj in enumerate(streamed):
         text = "".join(ast.literal_eval(t) for r, t in cli_chunks if r == f"[{i}]")
         assert text == obj["text"]
     prompts_file.write_text(json.dumps({"prompt": 7}) + "\n")
-    proc = run_python("-m", "mars_jax.generate", f"--workdir={workdir}",
-                      f"--prompts_file={prompts_file}", check=False)
+    proc = run_python(
+        "-m",
+        "mars_jax.generate",
+        f"--workdir={workdir}",
+        f"--prompts_file={prompts_file}",
+        check=False,
+    )
     assert proc.returncode != 0 and f"{prompts_file}: row 1: 'prompt'" in proc.stderr
 
 
@@ -508,8 +591,13 @@ def test_export_cli_loads_in_transformers(hf_run, tmp_path):
     run_python("-m", "mars_jax.export", f"--workdir={workdir}", f"--output={out}")
     # The library call writes the same weights and config.
     assert export.export_run(workdir, str(tmp_path / "in_process")) == 1
-    files = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-             "tokenizer_config.json")
+    files = (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    )
     for name in files:
         assert (out / name).read_bytes() == (tmp_path / "in_process" / name).read_bytes(), name
     config = json.loads((out / "config.json").read_text())
@@ -547,9 +635,11 @@ def test_resume_refuses_a_changed_config(stage1):
 
 @pytest.mark.subprocess
 def test_help_lists_the_program_flags():
-    for module, names in [("mars_jax.train", ("--config", "--workdir")),
-                          ("mars_jax.evaluate", ("--config", "--workdir", "--step")),
-                          ("mars_jax.generate", ("--workdir", "--prompt", "--threshold"))]:
+    for module, names in [
+        ("mars_jax.train", ("--config", "--workdir")),
+        ("mars_jax.evaluate", ("--config", "--workdir", "--step")),
+        ("mars_jax.generate", ("--workdir", "--prompt", "--threshold")),
+    ]:
         proc = run_python("-m", module, "--help", check=False)  # absl's --help exits 1 (issue 9)
         for name in names:
             assert name in proc.stdout, (module, name)
@@ -568,8 +658,13 @@ def test_grad_accumulation_equals_whole_batch():
     batch = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
     graphdef, params = nnx.split(Qwen2(model_cfg, rngs=nnx.Rngs(0)))
     for norm in ("token", "sequence"):
-        obj = types.SimpleNamespace(name="ar", normalization=norm, max_label_tokens=None,
-                                    ce_chunk_size=0, noisy_weighting="none")
+        obj = types.SimpleNamespace(
+            name="ar",
+            normalization=norm,
+            max_label_tokens=None,
+            ce_chunk_size=0,
+            noisy_weighting="none",
+        )
         tx, _ = train_step.optimizer(cfg, 10)
         results = []
         for accum in (1, 2):

@@ -11,24 +11,48 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
-from mars_jax import decode, evaluate, export, generate, objectives, settings, train
-from mars_jax import train_step, vocab
+from mars_jax import (
+    decode,
+    evaluate,
+    export,
+    generate,
+    objectives,
+    settings,
+    train,
+    train_step,
+    vocab,
+)
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, eval_examples
 from mars_jax.tokenizer import (
-    DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer,
+    DEFAULT_EOS_IDS,
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    IM_START_ID,
+    MASK_ID,
+    load_tokenizer,
 )
+
+from conftest import tiny_config
 
 CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
 
 
 TRIMMED_RUN = {
-    "data.trim_vocab": True, "data.num_synthetic_train": 16, "train.num_steps": 2,
-    "train.batch_size": 4, "train.log_every": 1, "model.num_layers": 1,
-    "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
-    "eval.num_examples": 3, "eval.batch_size": 4, "eval.max_new_tokens": 6,
-    "eval.thresholds": (1.0, 0.9), "eval.nll_examples": 3,
+    "data.trim_vocab": True,
+    "data.num_synthetic_train": 16,
+    "train.num_steps": 2,
+    "train.batch_size": 4,
+    "train.log_every": 1,
+    "model.num_layers": 1,
+    "model.hidden_size": 32,
+    "model.intermediate_size": 64,
+    "model.head_dim": 8,
+    "eval.num_examples": 3,
+    "eval.batch_size": 4,
+    "eval.max_new_tokens": 6,
+    "eval.thresholds": (1.0, 0.9),
+    "eval.nll_examples": 3,
 }
 
 
@@ -100,10 +124,15 @@ def test_mapped_tokenizer_speaks_model_ids():
     mapped = vocab.MappedTokenizer(tok, vocab_map)
     index = {int(q): m for m, q in enumerate(vocab_map.ids)}
     assert mapped.encode(text) == [index[q] for q in qwen]
-    assert mapped.encode_batch([text, "42"]) == [[index[q] for q in qwen], [index[q] for q in tok.encode("42")]]
+    assert mapped.encode_batch([text, "42"]) == [
+        [index[q] for q in qwen],
+        [index[q] for q in tok.encode("42")],
+    ]
     assert mapped.decode(mapped.encode(text), skip_special_tokens=False) == text
     assert (mapped.pad_id, mapped.eos_id, mapped.mask_id) == (
-        index[ENDOFTEXT_ID], index[IM_END_ID], index[MASK_ID]
+        index[ENDOFTEXT_ID],
+        index[IM_END_ID],
+        index[MASK_ID],
     )
     assert len(mapped) == len(vocab_map)
     assert vocab.model_ids(mapped, [IM_END_ID]) == [index[IM_END_ID]]
@@ -164,12 +193,16 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
         for e in train.load_train_examples(cfg, load_tokenizer())
     ]
     batch = batched_dataset(
-        examples, batch_size=4, max_length=cfg.data.max_length, seed=cfg.seed,
+        examples,
+        batch_size=4,
+        max_length=cfg.data.max_length,
+        seed=cfg.seed,
         pad_id=index[ENDOFTEXT_ID],
     )[0]
     obj = types.SimpleNamespace(
         max_label_tokens=train_step.objective_settings(cfg, 0, examples).max_label_tokens,
-        normalization="sequence", ce_chunk_size=0,
+        normalization="sequence",
+        ce_chunk_size=0,
     )
     ar, _ = objectives.ar_loss(s1, jax.tree.map(jnp.asarray, batch), obj)
     assert m["clean_loss"] == pytest.approx(float(ar), rel=1e-5)
@@ -189,8 +222,12 @@ def test_generate_returns_qwen_ids(trimmed):
         for p in prompts
     ]
     out = decode.generate(
-        model, *decode.pad_prompts(prompt_ids, index[ENDOFTEXT_ID]), block_size=4,
-        threshold=0.9, max_new_tokens=6, eos_ids=(index[IM_END_ID], index[ENDOFTEXT_ID]),
+        model,
+        *decode.pad_prompts(prompt_ids, index[ENDOFTEXT_ID]),
+        block_size=4,
+        threshold=0.9,
+        max_new_tokens=6,
+        eos_ids=(index[IM_END_ID], index[ENDOFTEXT_ID]),
         mask_id=index[MASK_ID],
     )
     expected = [[ids[m] for m in row] for row in out.completions()]
@@ -205,7 +242,9 @@ def test_evaluate_a_trimmed_run(trimmed):
     report = evaluate.evaluate(cfg, workdir)
     assert np.isfinite(report["ar_nll"])
     prompts = [p[-1]["content"] for p, _ in eval_examples("synthetic", num_examples=3, seed=1)]
-    texts = [r["text"] for r in generate.complete(workdir, prompts, threshold=1.0, max_new_tokens=6)]
+    texts = [
+        r["text"] for r in generate.complete(workdir, prompts, threshold=1.0, max_new_tokens=6)
+    ]
     assert [e["completion"] for e in report["results"][0]["examples"]] == texts
 
 
@@ -215,15 +254,25 @@ def test_stage2_on_other_data_names_the_row_and_the_map(trimmed, tmp_path):
     ...', naming neither)."""
     rows = tmp_path / "train.jsonl"
     ((prompt, answer),) = eval_examples("synthetic", num_examples=1, seed=1)
-    rows.write_text("".join(
-        json.dumps({"question": q, "answer": a}) + "\n"
-        for q, a in ((prompt[-1]["content"], answer), ("Café?", answer))
-    ))
-    cfg = get_config("mars", init_from=trimmed[0], data__source="gsm8k",
-                     data__train_path=str(rows), data__eval_path=str(rows))
+    rows.write_text(
+        "".join(
+            json.dumps({"question": q, "answer": a}) + "\n"
+            for q, a in ((prompt[-1]["content"], answer), ("Café?", answer))
+        )
+    )
+    cfg = get_config(
+        "mars",
+        init_from=trimmed[0],
+        data__source="gsm8k",
+        data__train_path=str(rows),
+        data__eval_path=str(rows),
+    )
     workdir = tmp_path / "mars"
-    with pytest.raises(ValueError, match=rf"^{rows} \(init_from's vocab_map.json\): row 1: "
-                                         r"token id \d+ is not in the trimmed vocabulary"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{rows} \(init_from's vocab_map.json\): row 1: "
+        r"token id \d+ is not in the trimmed vocabulary",
+    ):
         train.train(cfg, str(workdir))
     assert not workdir.exists()
 
@@ -241,11 +290,12 @@ def test_evaluate_names_the_example_with_a_token_outside_the_vocabulary(trimmed,
     rows = tmp_path / "test.jsonl"
     prompts, _ = zip(*eval_examples("synthetic", num_examples=1, seed=1))
     seen = prompts[0][-1]["content"]  # a question the run's vocabulary covers
-    rows.write_text("".join(
-        json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in (seen, "Café?")
-    ))
-    cfg = get_config("ar", data__source="gsm8k", data__train_path=str(rows),
-                     data__eval_path=str(rows))
+    rows.write_text(
+        "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in (seen, "Café?"))
+    )
+    cfg = get_config(
+        "ar", data__source="gsm8k", data__train_path=str(rows), data__eval_path=str(rows)
+    )
     with pytest.raises(ValueError, match=rf"^{rows}: evaluation example 1: token .* is not in"):
         evaluate.evaluate(cfg, trimmed[0])
 
@@ -291,6 +341,7 @@ def _write_ids(ids):
     def damage(path):
         with open(path, "w") as f:
             json.dump({"qwen_ids": ids}, f)
+
     return damage
 
 
@@ -304,13 +355,19 @@ def test_a_damaged_vocab_map_is_refused_naming_the_file(trimmed, tmp_path, name)
     ids = saved_ids(trimmed[0])
     damage, match = {
         "removed": (os.remove, r"vocab_map.json not found: .* data.trim_vocab=True"),
-        "truncated": (lambda p: open(p, "w").write('{"qwen_ids": [0, 1'),
-                      r"vocab_map.json: not a vocabulary map \(Expecting"),
-        "one_id_short": (_write_ids(ids[1:]),
-                         rf"vocab_map.json: {len(ids) - 1} ids, but the model \(model.json\) "
-                         rf"has {len(ids)} embedding rows"),
-        "past_the_tokenizer": (_write_ids(ids[:-1] + [999_999]),
-                               r"vocab_map.json: id 999999 lies past the tokenizer's"),
+        "truncated": (
+            lambda p: open(p, "w").write('{"qwen_ids": [0, 1'),
+            r"vocab_map.json: not a vocabulary map \(Expecting",
+        ),
+        "one_id_short": (
+            _write_ids(ids[1:]),
+            rf"vocab_map.json: {len(ids) - 1} ids, but the model \(model.json\) "
+            rf"has {len(ids)} embedding rows",
+        ),
+        "past_the_tokenizer": (
+            _write_ids(ids[:-1] + [999_999]),
+            r"vocab_map.json: id 999999 lies past the tokenizer's",
+        ),
     }[name]
     copy = _damaged_copy(trimmed[0], tmp_path, damage)
     with pytest.raises(ValueError, match=match):
@@ -328,8 +385,9 @@ def test_decode_speed_benchmark_speaks_a_trimmed_runs_ids(trimmed):
     from benchmarks import decode_speed as ds
 
     workdir, cfg = trimmed
-    (s,) = ds.build_subjects(["trained"], batch_sizes=[2], workdir=workdir, config=cfg,
-                             num_prompts=2, max_new_tokens=4)
+    (s,) = ds.build_subjects(
+        ["trained"], batch_sizes=[2], workdir=workdir, config=cfg, num_prompts=2, max_new_tokens=4
+    )
     vocab_map = vocab.VocabMap(saved_ids(workdir))
     assert s.eos_ids == tuple(vocab_map.to_model(list(DEFAULT_EOS_IDS)).tolist())
     assert s.mask_id == int(vocab_map.to_model([MASK_ID])[0]) < len(vocab_map)

@@ -17,11 +17,13 @@ DEVICES = 8
 
 # Low backend optimization only to keep compile times short on small CPUs: every comparison
 # here is between programs compiled the same way.
-_flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "",
-                os.environ.get("XLA_FLAGS", ""))
+_flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = " ".join(
-    [_flags.strip(), f"--xla_force_host_platform_device_count={DEVICES}",
-     "--xla_backend_optimization_level=0"]
+    [
+        _flags.strip(),
+        f"--xla_force_host_platform_device_count={DEVICES}",
+        "--xla_backend_optimization_level=0",
+    ]
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 

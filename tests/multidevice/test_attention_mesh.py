@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import model as model_lib
 from mars_jax import attention, sharding
-from mars_jax.objectives import IGNORE_INDEX
+from mars_jax import model as model_lib
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import mars_loss
+from mars_jax.objectives import IGNORE_INDEX, mars_loss
 
 
 def test_splash_under_a_mesh_matches_dense(monkeypatch):
@@ -20,14 +19,29 @@ def test_splash_under_a_mesh_matches_dense(monkeypatch):
     data, heads over tensor): the MARS loss and gradients equal dense attention's."""
     real = attention._splash
     monkeypatch.setattr(attention, "_splash", lambda *a, **k: real(*a, interpret=True))
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 120, (4, 64)).astype(np.int32)
     labels = np.where(np.arange(64)[None] >= 20, ids, IGNORE_INDEX).astype(np.int32)
-    obj = SimpleNamespace(name="mars", block_size=4, ar_weight=1.0, normalization="sequence",
-                          max_label_tokens=None, mask_id=127, ce_chunk_size=0,
-                          noisy_weighting="none")
+    obj = SimpleNamespace(
+        name="mars",
+        block_size=4,
+        ar_weight=1.0,
+        normalization="sequence",
+        max_label_tokens=None,
+        mask_id=127,
+        ce_chunk_size=0,
+        noisy_weighting="none",
+    )
     host = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
     mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
     rules = sharding.logical_rules()
@@ -36,8 +50,9 @@ def test_splash_under_a_mesh_matches_dense(monkeypatch):
         c = ModelConfig(**{**cfg.__dict__, "attention": impl})
         graphdef, abstract = model_lib.abstract_params(c, mesh, rules)
         params = jax.device_put(host, jax.tree.map(lambda x: x.sharding, abstract))
-        batch = jax.device_put({"input_ids": ids, "labels": labels},
-                               sharding.batch_sharding(mesh, rules))
+        batch = jax.device_put(
+            {"input_ids": ids, "labels": labels}, sharding.batch_sharding(mesh, rules)
+        )
 
         def loss(p, b):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(rules):

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from decode_oracles import MAX_NEW, make_batch, make_model
-from mars_jax.tokenizer import DEFAULT_EOS_IDS
 from mars_jax import decode, sharding
+from mars_jax.tokenizer import DEFAULT_EOS_IDS
+
+from decode_oracles import MAX_NEW, make_batch, make_model
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +20,9 @@ def result():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     model = make_model(300.0)
     graphdef, state = nnx.split(model)
-    placed = nnx.merge(graphdef,
-                       jax.device_put(state, sharding.param_shardings(state, mesh, rules)))
+    placed = nnx.merge(
+        graphdef, jax.device_put(state, sharding.param_shardings(state, mesh, rules))
+    )
 
     ids, lengths, _ = make_batch([5, 2, 11, 7], seed=2)
     q = placed.layers.self_attn.q_proj.kernel[...]
@@ -43,15 +45,34 @@ def result():
     # The compiled sharded program carries the cache [L, R, S, K, H] per device as
     # [L, R/4, S, K/2, H]: rows over (data, fsdp), KV heads over tensor.
     settings = decode.DecoderSettings(
-        block_size=4, max_new_tokens=MAX_NEW, eos_ids=DEFAULT_EOS_IDS,
-        mask_id=decode.MASK_ID, sampling=False, cache_mode="sliding", rule="prob",
-        adaptive_window=True, mesh=mesh, rules=rules, on_accept=None,
+        block_size=4,
+        max_new_tokens=MAX_NEW,
+        eos_ids=DEFAULT_EOS_IDS,
+        mask_id=decode.MASK_ID,
+        sampling=False,
+        cache_mode="sliding",
+        rule="prob",
+        adaptive_window=True,
+        mesh=mesh,
+        rules=rules,
+        on_accept=None,
     )
     gd, params = nnx.split(placed)
-    compiled = decode._generate.lower(
-        gd, params, jnp.asarray(ids), jnp.asarray(lengths), jnp.full((4,), 0.9, jnp.float32),
-        jnp.int32(4), jnp.float32(0.0), jax.random.key(0), settings=settings,
-    ).compile().as_text()
+    compiled = (
+        decode._generate.lower(
+            gd,
+            params,
+            jnp.asarray(ids),
+            jnp.asarray(lengths),
+            jnp.full((4,), 0.9, jnp.float32),
+            jnp.int32(4),
+            jnp.float32(0.0),
+            jax.random.key(0),
+            settings=settings,
+        )
+        .compile()
+        .as_text()
+    )
     slots = ids.shape[1] + MAX_NEW + 2 * 7
     out["cache_local"] = f"f32[2,1,{slots},1,8]" in compiled
     out["cache_global"] = f"f32[2,4,{slots},2,8]" in compiled

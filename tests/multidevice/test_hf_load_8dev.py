@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from mars_jax import model as model_lib
 from mars_jax import huggingface, sharding
+from mars_jax import model as model_lib
+
 from test_model import copy_ckpt, edit_config, edit_tensors
 
 
@@ -74,8 +75,12 @@ def _broken_checkpoints(tied, root):
     edit_tensors(missing_bias, lambda t: t.pop("model.layers.1.self_attn.v_proj.bias"))
     shape = copy_ckpt(tied, root / "shape")
     edit_config(shape, intermediate_size=48)
-    return [("unused", unused), ("missing_head", missing_head),
-            ("missing_bias", missing_bias), ("shape", shape)]
+    return [
+        ("unused", unused),
+        ("missing_head", missing_head),
+        ("missing_bias", missing_bias),
+        ("shape", shape),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +116,36 @@ def result(tied_ckpt, untied_ckpt, bf16_ckpt, tmp_path_factory):
                 for x, a, r in zip(arrays, specs, ref):
                     shape = a.sharding.shard_shape(a.shape)
                     split += shape != a.shape
-                    shards_ok += all(
-                        s.data.shape == shape and np.array_equal(np.asarray(s.data), r[s.index])
-                        for s in x.addressable_shards
-                    ) and len(x.addressable_shards) == 8
-                out["loads"].append({
-                    "label": label, "mesh": mesh_name, "dtype": dtype, "leaves": len(arrays),
-                    "equal": sum(np.array_equal(np.asarray(x), r) for x, r in zip(arrays, ref)),
-                    "same_dtype": sum(x.dtype == a.dtype == r.dtype == np.dtype(dtype)
-                                      for x, a, r in zip(arrays, specs, ref)),
-                    "same_sharding": sum(x.sharding == a.sharding for x, a in zip(arrays, specs)),
-                    "shards_ok": shards_ok, "split": int(split),
-                    "elements": sum(int(r.size) for r in ref),
-                    "read_elements": sum(int(np.prod([b - a for a, b in idx]))
-                                         for _, idx in rec.reads),
-                    "reads": rec.reads[:],
-                })
+                    shards_ok += (
+                        all(
+                            s.data.shape == shape and np.array_equal(np.asarray(s.data), r[s.index])
+                            for s in x.addressable_shards
+                        )
+                        and len(x.addressable_shards) == 8
+                    )
+                out["loads"].append(
+                    {
+                        "label": label,
+                        "mesh": mesh_name,
+                        "dtype": dtype,
+                        "leaves": len(arrays),
+                        "equal": sum(np.array_equal(np.asarray(x), r) for x, r in zip(arrays, ref)),
+                        "same_dtype": sum(
+                            x.dtype == a.dtype == r.dtype == np.dtype(dtype)
+                            for x, a, r in zip(arrays, specs, ref)
+                        ),
+                        "same_sharding": sum(
+                            x.sharding == a.sharding for x, a in zip(arrays, specs)
+                        ),
+                        "shards_ok": shards_ok,
+                        "split": int(split),
+                        "elements": sum(int(r.size) for r in ref),
+                        "read_elements": sum(
+                            int(np.prod([b - a for a, b in idx])) for _, idx in rec.reads
+                        ),
+                        "reads": rec.reads[:],
+                    }
+                )
         for label, path in args["errors"]:
             cfg = huggingface.read_hf_config(path)
             _, abstract = model_lib.abstract_params(cfg, meshes["2x2x2"], rules)
@@ -175,8 +194,9 @@ def test_each_part_is_read_once_by_its_slice(result):
         q = reads[f"model.layers.{layer}.self_attn.q_proj.weight"]
         assert sorted(q) == [[[0, 48], [4 * k, 4 * k + 4]] for k in range(8)]
     # The embedding [96 vocab, 32 embed] (vocab on tensor = 1 device, embed over fsdp).
-    assert sorted(reads["model.embed_tokens.weight"]) == [[[0, 96], [4 * k, 4 * k + 4]]
-                                                          for k in range(8)]
+    assert sorted(reads["model.embed_tokens.weight"]) == [
+        [[0, 96], [4 * k, 4 * k + 4]] for k in range(8)
+    ]
     # lm_head kernel [32 embed, 96 vocab] (embed over fsdp) = HF [96, 32]: columns again.
     assert sorted(reads["lm_head.weight"]) == [[[0, 96], [4 * k, 4 * k + 4]] for k in range(8)]
     # A replicated parameter: read once, whole.
@@ -198,4 +218,6 @@ def test_strict_errors_through_the_sharded_path(result):
     assert "missing tensor 'model.layers.1.self_attn.v_proj.bias'" in errors["missing_bias"][0]
     shape = errors["shape"][0]
     assert "/model.safetensors: tensor 'model.layers.0.mlp." in shape
-    assert "has shape (64, 32), expected (48, 32)" in shape or "(32, 64), expected (32, 48)" in shape
+    assert (
+        "has shape (64, 32), expected (48, 32)" in shape or "(32, 64), expected (32, 48)" in shape
+    )

@@ -14,9 +14,8 @@ from flax import nnx
 from mars_jax import model as model_lib
 from mars_jax import sharding
 from mars_jax.checkpoints import Checkpoints, TrainState
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import loss_fn
+from mars_jax.objectives import IGNORE_INDEX, loss_fn
 from mars_jax.train_step import build_train_step, optimizer
 
 # The placement of every parameter under sharding.DEFAULT_RULES, written out by hand from the
@@ -46,9 +45,17 @@ def compute():
     rules = sharding.logical_rules()
 
     out = {"devices": len(jax.devices())}
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
-                      tie_word_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        tie_word_embeddings=False,
+    )
 
     # --- placement ----------------------------------------------------------------------------
     mesh8 = sharding.make_mesh(data=2, fsdp=2, tensor=2)
@@ -69,14 +76,16 @@ def compute():
             list(a) if isinstance(a, tuple) else a for a in v.get_value()
         ]
         for p, v in jax.tree_util.tree_leaves_with_path(
-            flax_specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            flax_specs, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
     }
     out["logical_q_spec"] = list(
         nnx.get_partition_spec(state)["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
     )
     # Rules from a config table: replicate "embed", put "mlp" on (fsdp, tensor).
     custom = sharding.logical_rules(
-        {**sharding.DEFAULT_RULES, "embed": (), "mlp": ("fsdp", "tensor")})
+        {**sharding.DEFAULT_RULES, "embed": (), "mlp": ("fsdp", "tensor")}
+    )
     _, abstract_custom = model_lib.abstract_params(cfg, mesh8, custom)
     out["custom_up_spec"] = [
         list(a) if isinstance(a, tuple) else a
@@ -95,10 +104,27 @@ def compute():
     col = np.arange(length)[None]
     labelled = (col >= prompt[:, None]) & (col < (prompt + answer)[:, None])
     batch = {"input_ids": ids, "labels": np.where(labelled, ids, IGNORE_INDEX).astype(np.int32)}
-    obj = NS(name="mars", block_size=4, ar_weight=0.5, normalization="sequence",
-             max_label_tokens=12, mask_id=95, ce_chunk_size=0, noisy_weighting="none")
-    run_cfg = NS(train=NS(warmup_ratio=0.0, learning_rate=1e-2, grad_clip=1.0, weight_decay=0.01,
-                         batch_size=rows, grad_accum_steps=2), data=NS(max_length=length))
+    obj = NS(
+        name="mars",
+        block_size=4,
+        ar_weight=0.5,
+        normalization="sequence",
+        max_label_tokens=12,
+        mask_id=95,
+        ce_chunk_size=0,
+        noisy_weighting="none",
+    )
+    run_cfg = NS(
+        train=NS(
+            warmup_ratio=0.0,
+            learning_rate=1e-2,
+            grad_clip=1.0,
+            weight_decay=0.01,
+            batch_size=rows,
+            grad_accum_steps=2,
+        ),
+        data=NS(max_length=length),
+    )
 
     host_params = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
 
@@ -160,12 +186,14 @@ def compute():
         step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh, rules)
         with Checkpoints(directory) as checkpoints:
             params, opt_state, position = checkpoints.restore(
-                1, TrainState(abstract, step.abstract_opt_state, 0))
+                1, TrainState(abstract, step.abstract_opt_state, 0)
+            )
         shard = params["layers"]["mlp"]["up_proj"]["kernel"][...].addressable_shards[0].data.shape
         losses = []
         for _ in range(steps):
-            params, opt_state, metrics = step.fn(params, opt_state,
-                                                 jax.device_put(batch, step.batch_sharding))
+            params, opt_state, metrics = step.fn(
+                params, opt_state, jax.device_put(batch, step.batch_sharding)
+            )
             losses.append(float(metrics["loss"]))
         return losses, position, list(shard)
 
@@ -175,13 +203,15 @@ def compute():
         step = build_train_step(run_cfg, graphdef, abstract, obj, tx, mesh8, rules)
         params = jax.device_put(host_params, jax.tree.map(lambda x: x.sharding, abstract))
         opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
-        params, opt_state, _ = step.fn(params, opt_state,
-                                       jax.device_put(batch, step.batch_sharding))
+        params, opt_state, _ = step.fn(
+            params, opt_state, jax.device_put(batch, step.batch_sharding)
+        )
         with Checkpoints(directory) as checkpoints:
             checkpoints.save(1, TrainState(params, opt_state, 1))
         out["resharded_same"] = continue_from(directory, mesh8)
-        out["resharded_other"] = continue_from(directory,
-                                               sharding.make_mesh(data=1, fsdp=8, tensor=1))
+        out["resharded_other"] = continue_from(
+            directory, sharding.make_mesh(data=1, fsdp=8, tensor=1)
+        )
 
     # --- errors -------------------------------------------------------------------------------
     def error(fn):
@@ -198,15 +228,19 @@ def compute():
     ]
     out["mesh_rest"] = dict(sharding.make_mesh(data=-1, fsdp=2, tensor=2).shape)
     mesh_142 = sharding.make_mesh(data=1, fsdp=4, tensor=2)
-    for name, bad in [("vocab", dict(vocab_size=97)),
-                      ("hidden", dict(hidden_size=30, num_heads=2, num_kv_heads=2, head_dim=8))]:
+    for name, bad in [
+        ("vocab", dict(vocab_size=97)),
+        ("hidden", dict(hidden_size=30, num_heads=2, num_kv_heads=2, head_dim=8)),
+    ]:
         bad_cfg = ModelConfig(**{**cfg.__dict__, **bad})
         state = nnx.state(nnx.eval_shape(lambda: Qwen2(bad_cfg, rngs=nnx.Rngs(0))))
         out["divisible_error_" + name] = error(
-            lambda: sharding.param_shardings(state, mesh_142, rules))
+            lambda: sharding.param_shardings(state, mesh_142, rules)
+        )
     # tensor=4 divides the flattened q width (14 heads x 4 = 56) but not the 2 KV heads.
-    heads_cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 56, "num_heads": 14,
-                               "num_kv_heads": 2, "head_dim": 4})
+    heads_cfg = ModelConfig(
+        **{**cfg.__dict__, "hidden_size": 56, "num_heads": 14, "num_kv_heads": 2, "head_dim": 4}
+    )
     mesh_214 = sharding.make_mesh(data=2, fsdp=1, tensor=4)
     out["heads_error"] = error(lambda: model_lib.abstract_params(heads_cfg, mesh_214, rules))
     out["rules_error"] = error(lambda: sharding.logical_rules({"embed": ("model",)}))
@@ -296,7 +330,9 @@ def test_checkpoint_restores_onto_another_mesh(result):
     parameters take the new placement and the next steps give the losses of continuing on the
     original mesh (fp32 roundoff of reductions in another order)."""
     (same, position_same, shard_same), (other, position_other, shard_other) = (
-        result["resharded_same"], result["resharded_other"])
+        result["resharded_same"],
+        result["resharded_other"],
+    )
     # up_proj [2 layers, 32, 64]: split 2 x 2 on (fsdp, tensor), then 8 ways on fsdp.
     assert shard_same == [2, 16, 32] and shard_other == [2, 4, 64]
     assert position_same == position_other == 1
