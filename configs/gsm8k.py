@@ -7,7 +7,7 @@ the rows fit; the rest are cut and keep the start of their answer): 467 steps pe
 Measured with ``bash launch/two_stage.sh configs/gsm8k.py runs/gsm8k`` on 2 CPU cores
 (2026-12-01): stage 1 17.8 min (about 2 s per AR step), stage 2 43.7 min (about 4.5 s per MARS
 step; about 10 of its minutes at half speed beside another job), the two evaluations (128
-questions, six thresholds, up to 256 new tokens) 8.3 min: 69.8 min in all. The README's
+questions, six thresholds, up to 256 new tokens) 8.3 min: 69.8 min in all. docs/results.md's
 GSM8K tables come from that run.
 """
 

@@ -51,7 +51,7 @@ def get_config(stage: str = "ar"):
     )
     # save_every bounds the work lost to a crash (SIGTERM / Ctrl-C save the step reached): a
     # step is at most 384 x 512 tokens, 6 x 0.49e9 x 196,608 = 5.8e14 FLOPs for AR and about 2x
-    # for MARS (README: step time ratio 1.8-2.0), i.e. ~1-2 s at 40% of a v5e-8's peak (an
+    # for MARS (docs/training-at-scale.md: step time ratio 1.8-2.0), i.e. ~1-2 s at 40% of a v5e-8's peak (an
     # estimate, not a measurement): 200 steps are ~3-7 minutes. A save is ~6 GB (fp32
     # parameters + two Adam moments), written asynchronously.
     c.mesh.update(data=-1, fsdp=1, tensor=1)

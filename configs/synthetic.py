@@ -2,7 +2,7 @@
 
 Trimmed vocabulary (`data.trim_vocab`: 128 embedding rows instead of 151,936), 4 layers of
 width 128, batch 32. Stage 1: 1,000 AR steps at lr 2e-3; stage 2: 300 MARS steps (B = 4) at
-5e-4. The README's CPU claims tables come from this config through
+5e-4. The CPU claims tables of docs/results.md come from this config through
 `experiments/claims_config.py` (experiments synthetic and synthetic_stage2_lr).
 
 Times on 2 CPU cores with nothing else running (2026-12-01, synthetic_stage2_lr): 0.81 s per

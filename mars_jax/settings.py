@@ -1,4 +1,4 @@
-"""The names of the run-config checks before they moved to `mars_jax.config` (issue 17).
+"""The old names of the run-config checks, kept for their callers: `mars_jax.config` holds them.
 
 ``settings.check(cfg, training=...)`` is `config.validate`; the other names are
 `mars_jax.config`'s and `mars_jax.errors`' own. New code imports those modules.
