@@ -35,7 +35,7 @@ def result():
     }.items():
         kw = {"block_size": 4, "max_new_tokens": MAX_NEW, **kw}
         one = decode.generate(model, ids, lengths, **kw)
-        sharded = decode.generate(placed, ids, lengths, mesh=mesh, rules=rules, **kw)
+        sharded = decode.generate(placed, ids, lengths, mesh=mesh, axis_rules=rules, **kw)
         out[name] = {
             f: [np.asarray(getattr(o, f)).tolist() for o in (one, sharded)]
             for f in ("tokens", "accepted", "row_forwards")
@@ -54,7 +54,7 @@ def result():
         rule="prob",
         adaptive_window=True,
         mesh=mesh,
-        rules=rules,
+        axis_rules=rules,
         on_accept=None,
     )
     gd, params = nnx.split(placed)
