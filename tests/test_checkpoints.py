@@ -1,4 +1,4 @@
-"""Checkpoint robustness (issue 9): retention, uncommitted step directories, checksums of
+"""Checkpoint robustness: retention, uncommitted step directories, checksums of
 corrupted files and the fallback, and `kill -9` of real training processes."""
 
 import glob

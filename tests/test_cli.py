@@ -1,4 +1,4 @@
-"""The command line (issue 9, item 10): --help exits 0, --show_config prints the resolved config,
+"""The command line: --help exits 0, --show_config prints the resolved config,
 bad input is one line `error: ...` with exit status 1, and library errors keep their traceback."""
 
 import ast

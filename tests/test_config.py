@@ -1,4 +1,4 @@
-"""The config schema in the package and its one check (issue 17): mars_jax.config.defaults is the
+"""The config schema in the package and its one check: mars_jax.config.defaults is the
 full schema, every shipped config validates, a bad setting is refused by `config.validate` before
 anything is loaded, configs resolve from any working directory, and a machine without a TPU
 prints no libtpu errors."""

@@ -1,4 +1,4 @@
-"""Non-finite losses and gradients (issue 9, item 4): the jitted step skips the update, the run
+"""Non-finite losses and gradients: the jitted step skips the update, the run
 loop counts and logs the skip with its batch's source rows, and stops after
 train.max_consecutive_skips skips in a row; row ids travel with the data."""
 

@@ -1,4 +1,4 @@
-"""Settings checks (issue 9): each bad setting is a one-line error naming the config key and its
+"""Settings checks: each bad setting is a one-line error naming the config key and its
 value, raised before any data is read (where possible) or anything is compiled."""
 
 import importlib

@@ -640,7 +640,7 @@ def test_help_lists_the_program_flags():
         ("mars_jax.evaluate", ("--config", "--workdir", "--step")),
         ("mars_jax.generate", ("--workdir", "--prompt", "--threshold")),
     ]:
-        proc = run_python("-m", module, "--help", check=False)  # absl's --help exits 1 (issue 9)
+        proc = run_python("-m", module, "--help", check=False)  # absl's --help exits 1
         for name in names:
             assert name in proc.stdout, (module, name)
 
