@@ -41,3 +41,8 @@ class MissingPath(NotFound):
     def __init__(self, key: str, value, reason: str):
         super().__init__(f"{key}={value!r}: {reason}")
         self.key, self.value = key, value
+
+
+class StorageUnavailable(UserError, OSError):
+    """An object store (a ``gs://`` bucket) did not answer or refused a request: which bucket,
+    and that the same command can be rerun (see `mars_jax.storage.unreachable_message`)."""

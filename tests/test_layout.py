@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mars_jax"
 # needs another of that layer: each sub-layer is a layer of its own.
 LAYERS = (
     ("0a", ("errors", "platforms")),
-    ("0b", ("tokenizer", "synthetic", "grading", "metrics", "plots", "distributed", "attention")),
+    ("0b", ("storage",)),
+    ("0c", ("tokenizer", "synthetic", "grading", "metrics", "plots", "distributed", "attention")),
     ("1a", ("sharding",)),
     ("1b", ("config",)),
     ("2a", ("kv_cache",)),
