@@ -1,6 +1,7 @@
 """A run's Orbax checkpoints, ``workdir/checkpoints/<step>/{params, opt_state, data}``: atomic
 and asynchronous saves of a `TrainState`, retention, and SHA-256 checksums of every file
-(``sha256.json``) checked on every restore (`CheckpointError`). Parameters are stored as nested
+(``sha256.json``; crc32c of objects in a ``gs://`` workdir) checked on every restore
+(`CheckpointError`). Parameters are stored as nested
 dicts of arrays (``nnx.to_pure_dict``, readable without this package).
 
 `Checkpoints` is the only code that names the Orbax items.
@@ -8,11 +9,9 @@ dicts of arrays (``nnx.to_pure_dict``, readable without this package).
 
 from __future__ import annotations
 
-import glob
-import hashlib
+import contextlib
 import json
 import os
-import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -23,11 +22,14 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from mars_jax.errors import InputError, NotFound
+from mars_jax import storage
+from mars_jax.errors import InputError, NotFound, StorageUnavailable
 
 # The Orbax items of a checkpoint step.
 _PARAMS, _OPT_STATE, _DATA = "params", "opt_state", "data"
-# The checksum manifest in each step directory: {relative path: [sha256 hex, size in bytes]}.
+# The checksum manifest in each step directory: {relative path: [digest, size in bytes]}, the
+# digest as `storage.checksum` gives it ("sha256:<hex>" of a local file, "crc32c:<base64>" of an
+# object; a bare hex string, as earlier versions wrote, is a SHA-256).
 CHECKSUMS = "sha256.json"
 
 
@@ -53,39 +55,34 @@ class CheckpointError(InputError):
         self.step, self.path = step, path
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _file_problem(path: str, digest: str, size: int) -> str | None:
-    """What is wrong with file ``path`` given its SHA-256 hex ``digest`` and ``size`` in bytes
-    when saved, or None."""
-    if not os.path.exists(path):
+    """What is wrong with file ``path`` given its ``digest`` and ``size`` in bytes when saved,
+    or None."""
+    if not storage.exists(path):
         return "missing"
-    if os.path.getsize(path) != size:
-        return f"{os.path.getsize(path)} bytes, {size} when saved (truncated?)"
-    if _sha256(path) != digest:
-        return "SHA-256 differs from the one written at save (corrupted)"
+    if (now := storage.size(path)) != size:
+        return f"{now} bytes, {size} when saved (truncated?)"
+    digest = digest if ":" in digest else "sha256:" + digest
+    if storage.checksum(path) != digest:
+        kind = digest.split(":", 1)[0]
+        return f"{kind} differs from the one written at save (corrupted)"
     return None
 
 
 def write_checksums(step_dir: str) -> None:
-    """Writes ``step_dir/sha256.json``: {path relative to ``step_dir``: [SHA-256 hex, bytes]} for
-    every file of the Orbax items (subdirectories) of the step. Orbax's own ``commit_success.txt``
-    markers are left out: it writes the step's last one while committing, after this runs.
-    Written to a temporary name, then renamed."""
+    """Writes ``step_dir/sha256.json``: {path relative to ``step_dir``: [digest, bytes]} for
+    every file of the Orbax items (subdirectories) of the step (`storage.checksum`: nothing is
+    downloaded in an object store). Orbax's own ``commit_success.txt`` markers are left out: it
+    writes the step's last one while committing, after this runs. Written whole
+    (`storage.write_text`): a reader sees the old manifest or the new one."""
     sums = {}
-    for item in sorted(os.listdir(step_dir)):
-        for root, _, files in os.walk(os.path.join(step_dir, item)):
-            for name in files:
-                if name != "commit_success.txt":
-                    path = os.path.join(root, name)
-                    sums[os.path.relpath(path, step_dir)] = [_sha256(path), os.path.getsize(path)]
-    tmp = os.path.join(step_dir, CHECKSUMS + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(sums, f, indent=0, sort_keys=True)
-    os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+    for rel in storage.files_under(step_dir):
+        if "/" in rel and os.path.basename(rel) != "commit_success.txt":
+            path = storage.join(step_dir, rel)
+            sums[rel] = [storage.checksum(path), storage.size(path)]
+    storage.write_text(
+        storage.join(step_dir, CHECKSUMS), json.dumps(sums, indent=0, sort_keys=True)
+    )
 
 
 class Checkpoints:
@@ -121,7 +118,7 @@ class Checkpoints:
             policies.append(ocp.checkpoint_managers.EveryNSteps(keep_every))
         self._saving: int | None = None
         self._manager = ocp.CheckpointManager(
-            os.path.join(os.path.abspath(workdir), "checkpoints"),
+            storage.join(storage.absolute(workdir), "checkpoints"),
             options=ocp.CheckpointManagerOptions(
                 create=True,
                 preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
@@ -134,13 +131,17 @@ class Checkpoints:
         """Orbax's post-finalization callback of the save of step ``self._saving`` (every
         process, in Orbax's save thread): process 0 writes the checksums into the step's
         directory, the temporary one where Orbax has not yet renamed it (Orbax 0.12 calls this
-        just before the rename, so the checksums are committed with the step)."""
+        just before the rename, so the checksums are committed with the step). In an object
+        store Orbax writes the step directory itself and commits it by its last
+        ``commit_success.txt``, which it writes after this returns."""
         if jax.process_index() != 0:
             return
         base = str(self._manager.directory)
-        pending = glob.glob(os.path.join(base, f"{self._saving}.orbax-checkpoint-tmp*"))
+        prefix = f"{self._saving}.orbax-checkpoint-tmp"
+        pending = [n for n in storage.listdir(base) if n.startswith(prefix)]
+        pending = [storage.join(base, n) for n in pending]
         write_checksums(
-            max(pending, key=os.path.getmtime) if pending else os.path.join(base, str(self._saving))
+            max(pending, key=os.path.getmtime) if pending else storage.join(base, str(self._saving))
         )
 
     def verify(self, step: int, items: tuple[str, ...] = (_PARAMS, _OPT_STATE, _DATA)) -> None:
@@ -150,11 +151,10 @@ class Checkpoints:
         (missing, truncated, changed, or not in the manifest) or the manifest (missing,
         unreadable, without an item). Each process hashes its share of the files; all raise
         together."""
-        step_dir = os.path.join(str(self._manager.directory), str(step))
-        manifest = os.path.join(step_dir, CHECKSUMS)
+        step_dir = storage.join(str(self._manager.directory), str(step))
+        manifest = storage.join(step_dir, CHECKSUMS)
         try:
-            with open(manifest) as f:
-                sums = json.load(f)
+            sums = json.loads(storage.read_text(manifest))
         except FileNotFoundError as e:
             raise CheckpointError(
                 step,
@@ -166,21 +166,19 @@ class Checkpoints:
             raise CheckpointError(step, manifest, f"unreadable checksums ({e})") from e
         if not isinstance(sums, dict):
             raise CheckpointError(step, manifest, "not a JSON object of checksums")
-        names = sorted(n for n in sums if n.split(os.sep)[0] in items)
+        # Manifests list paths with "/" (earlier local ones with os.sep, the same on POSIX).
+        names = sorted(n for n in sums if n.split("/")[0] in items)
         for item in items:
-            if not any(n.split(os.sep)[0] == item for n in names):
+            if not any(n.split("/")[0] == item for n in names):
                 raise CheckpointError(step, manifest, f"lists no file of item {item!r}")
         for item in items:
-            for root, _, files in os.walk(os.path.join(step_dir, item)):
-                for name in sorted(files):
-                    rel = os.path.relpath(os.path.join(root, name), step_dir)
-                    if name != "commit_success.txt" and rel not in sums:
-                        raise CheckpointError(
-                            step, os.path.join(step_dir, rel), f"not in {CHECKSUMS}"
-                        )
+            for rel in storage.files_under(storage.join(step_dir, item)):
+                rel = f"{item}/{rel}"
+                if os.path.basename(rel) != "commit_success.txt" and rel not in sums:
+                    raise CheckpointError(step, storage.join(step_dir, rel), f"not in {CHECKSUMS}")
         first, reason = len(names), "failed its check on another process"
         for i in range(jax.process_index(), len(names), jax.process_count()):
-            reason = _file_problem(os.path.join(step_dir, names[i]), *sums[names[i]])
+            reason = _file_problem(storage.join(step_dir, names[i]), *sums[names[i]])
             if reason:
                 first = i
                 break
@@ -188,7 +186,7 @@ class Checkpoints:
             mine, first = first, int(np.min(multihost_utils.process_allgather(np.int32(first))))
             reason = reason if first == mine else "failed its check on another process"
         if first < len(names):
-            raise CheckpointError(step, os.path.join(step_dir, names[first]), reason)
+            raise CheckpointError(step, storage.join(step_dir, names[first]), reason)
 
     def restore_latest(self, abstract: TrainState, *, fallback: bool = False):
         """The newest committed step restored as in `restore`: returns (TrainState, step), or
@@ -214,11 +212,10 @@ class Checkpoints:
         """Moves step directory ``step`` to ``workdir/corrupt_checkpoints/<step>`` (process 0;
         every process waits for it) and rereads the steps."""
         if jax.process_index() == 0:
-            target = os.path.join(self.workdir, "corrupt_checkpoints", str(step))
-            if os.path.exists(target):  # set aside before: keep both
+            target = storage.join(self.workdir, "corrupt_checkpoints", str(step))
+            if storage.exists(target):  # set aside before: keep both
                 target += f".{time.time_ns()}"
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.move(os.path.join(str(self._manager.directory), str(step)), target)
+            storage.move_tree(storage.join(str(self._manager.directory), str(step)), target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"mars_jax checkpoint {step} set aside")
         self._manager.reload()
@@ -227,8 +224,24 @@ class Checkpoints:
         """The newest saved step, or None."""
         return self._manager.latest_step()
 
+    @contextlib.contextmanager
+    def _writing(self):
+        """Turns a failed write in an object store into `StorageUnavailable` (the bucket, and
+        that rerunning resumes from the last committed step); other errors pass unchanged."""
+        try:
+            yield
+        except Exception as e:
+            directory = str(self._manager.directory)
+            if not storage.is_remote(directory):
+                raise
+            raise StorageUnavailable(storage.unreachable_message([directory], e)) from e
+
     def save(self, step: int, state: TrainState) -> None:
         """Starts writing ``state`` as checkpoint ``step`` (returns before the write ends)."""
+        with self._writing():
+            self._save(step, state)
+
+    def _save(self, step: int, state: TrainState) -> None:
         self._manager.wait_until_finished()  # `_checksum_save` reads self._saving
         self._saving = step
         self._manager.save(
@@ -293,11 +306,13 @@ class Checkpoints:
 
     def wait_until_finished(self) -> None:
         """Blocks until every started save is on disk."""
-        self._manager.wait_until_finished()
+        with self._writing():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
-        self._manager.close()
+        with self._writing():
+            self._manager.close()
 
     def __enter__(self) -> "Checkpoints":
         return self

@@ -29,8 +29,8 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as _config_flags_impl
 
 from mars_jax import config as config_lib
-from mars_jax import platforms
-from mars_jax.errors import UserError
+from mars_jax import platforms, storage
+from mars_jax.errors import StorageUnavailable, UserError
 
 
 def config_flag(
@@ -178,7 +178,16 @@ def run(main: Callable[[], None]) -> None:
         platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
         try:
             main()
+        except StorageUnavailable as e:
+            # A failed checkpoint write leaves Orbax threads that wait minutes for signals that
+            # never come; nothing uncommitted is a step, so the process ends here.
+            sys.stderr.write(f"error: {e}\n")
+            sys.stderr.flush()
+            os._exit(1)
         except Exception as e:  # re-raised unless it is the user's
+            urls = [a.split("=", 1)[-1] for a in sys.argv[1:] if "://" in a]
+            if urls and storage.unreachable(e):  # the user's bucket, not a bug
+                raise SystemExit(f"error: {storage.unreachable_message(urls, e)}") from None
             if not is_user_error(e):
                 raise
             raise SystemExit(f"error: {e}") from None

@@ -44,6 +44,7 @@ from mars_jax import (
     huggingface,
     objectives,
     sharding,
+    storage,
     train_step,
     vocab,
 )
@@ -82,7 +83,7 @@ def tokenizer_source(cfg) -> str | None:
     if cfg.tokenizer_path:
         return cfg.tokenizer_path
     if cfg.init_from and wd.is_workdir(cfg.init_from):
-        return os.path.join(cfg.init_from, "tokenizer")
+        return storage.join(cfg.init_from, "tokenizer")
     return cfg.init_from or None
 
 
@@ -193,7 +194,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         # A stage 2 on other data than its trimmed stage 1: name the row and whose map it is.
         source = cfg.data.train_path if cfg.data.source != SYNTHETIC else "synthetic data"
         owner = "the"
-        if cfg.init_from and os.path.exists(os.path.join(cfg.init_from, wd.VOCAB_MAP)):
+        if cfg.init_from and storage.exists(storage.join(cfg.init_from, wd.VOCAB_MAP)):
             owner = "init_from's"
         examples = vocab_map.map_examples(examples, f"{source} ({owner} vocab_map.json)")
         tok = vocab.MappedTokenizer(tok, vocab_map)
@@ -232,8 +233,9 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
             }
         )
     run_config = cfg.to_json_best_effort(indent=2)
+    lock = None
     if distributed.is_primary():  # one training process per workdir (workdir.WorkdirInUse)
-        stack.enter_context(wd.RunLock(workdir))
+        lock = stack.enter_context(wd.RunLock(workdir))
     checkpoints = Checkpoints(
         workdir, max_to_keep=t.max_to_keep, keep_every=t.keep_every, writer=True
     )
@@ -280,6 +282,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         checkpoints,
         metrics,
         preemption,
+        lock,
         params,
         opt_state,
         position,
@@ -300,6 +303,7 @@ def _run_steps(
     checkpoints,
     metrics,
     preemption,
+    lock,
     params,
     opt_state,
     position,
@@ -348,10 +352,12 @@ def _run_steps(
             saved = done % t.save_every == 0 or done == num_steps
             if saved:
                 skips.check()
+                _before_save(lock, metrics)
                 checkpoints.save(done, TrainState(params, opt_state, position))
             if done < num_steps and preemption.stop(done):
                 skips.check()
                 if not saved:
+                    _before_save(lock, metrics)
                     checkpoints.save(done, TrainState(params, opt_state, position))
                 checkpoints.wait_until_finished()
                 logging.info(
@@ -428,6 +434,15 @@ class SkippedSteps:
                 "data rows listed in the warnings above, fp16/bf16 overflow (model.dtype / "
                 "model.param_dtype: try float32), train.grad_clip"
             )
+
+
+def _before_save(lock: wd.RunLock | None, metrics: MetricsWriter) -> None:
+    """Before each checkpoint save: stop if another process took the run lock over, and store
+    every metrics record so far (a ``gs://`` workdir's metrics.jsonl is rewritten, not
+    appended), so the step's records are stored before the step commits."""
+    if lock is not None:
+        lock.check()
+    metrics.flush()
 
 
 class Preemption(contextlib.AbstractContextManager):

@@ -13,11 +13,13 @@ Layout of ``workdir``:
                     plus sha256.json, the SHA-256 and size of every file of those items
   corrupt_checkpoints/<step>   a step that failed its checksums, moved aside by a fallback
   lock              the run lock of the training process (`RunLock`)
+  tensorboard/      TensorBoard event files of the training metrics (`mars_jax.metrics`)
   metrics.jsonl     one JSON object per logged training step (`mars_jax.metrics`)
   eval.json         the latest evaluation (`mars_jax.evaluate`)
   eval/step_<step>_<UTC time>.json   every evaluation, one file each, never overwritten
 
-The checkpoints themselves are `mars_jax.checkpoints`.
+The checkpoints themselves are `mars_jax.checkpoints`. ``workdir`` may be a local path or a
+``gs://`` URL (`mars_jax.storage`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from mars_jax import sharding, vocab
+from mars_jax import sharding, storage, vocab
 from mars_jax.checkpoints import Checkpoints
 from mars_jax.errors import InputError, NotFound
 from mars_jax.model import ModelConfig, abstract_params
@@ -42,17 +46,16 @@ from mars_jax.tokenizer import Tokenizer, load_tokenizer
 
 def is_workdir(path: str) -> bool:
     """Whether ``path`` is a mars-jax run directory (has model.json)."""
-    return os.path.exists(os.path.join(path, "model.json"))
+    return storage.exists(storage.join(path, "model.json"))
 
 
 def write_run_files(workdir: str, run_config_json: str, cfg: ModelConfig, tok: Tokenizer) -> None:
     """Writes config.json, model.json and tokenizer/ into ``workdir`` (created if missing)."""
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(run_config_json)
-    with open(os.path.join(workdir, "model.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-    tok.save(os.path.join(workdir, "tokenizer"))
+    storage.makedirs(workdir)
+    storage.write_text(storage.join(workdir, "config.json"), run_config_json)
+    model = json.dumps(dataclasses.asdict(cfg), indent=2)
+    storage.write_text(storage.join(workdir, "model.json"), model)
+    tok.save(storage.join(workdir, "tokenizer"))
 
 
 VOCAB_MAP = "vocab_map.json"
@@ -60,19 +63,19 @@ VOCAB_MAP = "vocab_map.json"
 
 def write_vocab_map(workdir: str, vocab_map: vocab.VocabMap) -> None:
     """Writes the id map of a trimmed run to ``workdir/vocab_map.json``."""
-    os.makedirs(workdir, exist_ok=True)
-    vocab_map.save(os.path.join(workdir, VOCAB_MAP))
+    storage.makedirs(workdir)
+    vocab_map.save(storage.join(workdir, VOCAB_MAP))
 
 
 def read_vocab_map(workdir: str) -> vocab.VocabMap | None:
     """The id map of the run in ``workdir``, or None for an untrimmed run (no vocab_map.json).
     Raises ValueError for a malformed file, or one whose id count is not the embedding rows of
     ``workdir/model.json`` (where that exists): model id m would be read as another token."""
-    path = os.path.join(workdir, VOCAB_MAP)
-    if not os.path.exists(path):
+    path = storage.join(workdir, VOCAB_MAP)
+    if not storage.exists(path):
         return None
     vocab_map = vocab.VocabMap.load(path)
-    if os.path.exists(os.path.join(workdir, "model.json")):
+    if storage.exists(storage.join(workdir, "model.json")):
         rows = read_model_config(workdir).vocab_size
         if len(vocab_map) != rows:
             raise InputError(
@@ -86,11 +89,11 @@ def _check_vocab(workdir: str, vocab_map: vocab.VocabMap | None, tok: Tokenizer,
     """Raises ValueError when a run's model ids cannot be read as tokens: a run trained with
     ``data.trim_vocab`` (config.json) but without vocab_map.json (its ids would be read as
     Qwen ids: garbage text), or a map whose ids lie past the tokenizer's."""
-    path = os.path.join(workdir, VOCAB_MAP)
+    path = storage.join(workdir, VOCAB_MAP)
     if vocab_map is None:
-        config = os.path.join(workdir, "config.json")
+        config = storage.join(workdir, "config.json")
         trimmed = False
-        if os.path.exists(config):
+        if storage.exists(config):
             trimmed = bool(read_run_config(workdir).get("data", {}).get("trim_vocab", False))
         if trimmed:
             raise InputError(
@@ -134,11 +137,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def read_run_config(workdir: str) -> dict:
     """``workdir/config.json`` as a dict. Raises FileNotFoundError if it is missing."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    path = storage.join(workdir, "config.json")
+    if not storage.exists(path):
         raise NotFound(f"{path} not found: {workdir} holds no run config")
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(storage.read_text(path))
 
 
 def check_same_run(workdir: str, run_config_json: str) -> None:
@@ -184,11 +186,10 @@ def sharding_rules(workdir: str) -> sharding.Rules:
 
 def read_model_config(workdir: str, **overrides) -> ModelConfig:
     """The `ModelConfig` saved in ``workdir/model.json``, with field ``overrides`` (e.g. dtype)."""
-    path = os.path.join(workdir, "model.json")
-    if not os.path.exists(path):
+    path = storage.join(workdir, "model.json")
+    if not storage.exists(path):
         raise NotFound(f"{path} not found: {workdir} is not a mars-jax run directory")
-    with open(path) as f:
-        return dataclasses.replace(ModelConfig(**json.load(f)), **overrides)
+    return dataclasses.replace(ModelConfig(**json.loads(storage.read_text(path))), **overrides)
 
 
 class WorkdirInUse(InputError):
@@ -196,21 +197,53 @@ class WorkdirInUse(InputError):
 
 
 class RunLock(contextlib.AbstractContextManager):
-    """The run lock of ``workdir``: an exclusive ``flock`` on ``workdir/lock``, held by the
-    process that trains there (process 0 of a multi-process run), so that a second training
-    process on the same directory (a job restarted while the first one still saves, a command
-    run twice) stops with `WorkdirInUse` instead of interleaving steps and deleting the other's
-    pending save. The file names the holder (pid, host, start time). The operating system
-    releases the lock when its process ends, however it ends (``kill -9`` included), so a lock
-    is never stale; ``flock`` may not exclude processes on other hosts of a network filesystem.
+    """The run lock of ``workdir``, held by the process that trains there (process 0 of a
+    multi-process run), so that a second training process on the same directory (a job
+    restarted while the first one still saves, a command run twice) stops with `WorkdirInUse`
+    instead of interleaving steps and deleting the other's pending save. ``workdir/lock`` names
+    the holder (pid, host, start time).
+
+    On a local disk: an exclusive ``flock``, released by the operating system when its process
+    ends, however it ends (``kill -9`` included), so it is never stale (``flock`` may not exclude
+    processes on other hosts of a network filesystem).
+
+    In an object store (``gs://``): an object created only if absent (a generation
+    precondition: of two processes, one wins). The holder rewrites it every ``heartbeat_s``
+    seconds (only if it is still its own) and deletes it on exit. A lock left by a killed
+    process is stale, and taken over, once its heartbeat is ``stale_after_s`` old, or at once if
+    it names a process of this host that no longer runs. A holder whose lock was taken over
+    (its heartbeat stalled that long) learns it at `check`, which the run calls before each
+    save.
     """
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, *, heartbeat_s: float = 30.0, stale_after_s: float = 120.0):
         self.workdir = workdir
-        self.path = os.path.join(workdir, "lock")
+        self.path = storage.join(workdir, "lock")
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self._file = None
+        self._generation: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lost: str | None = None
+
+    def _holder(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "heartbeat": time.time(),
+        }
+
+    def _in_use(self, holder: str) -> WorkdirInUse:
+        return WorkdirInUse(
+            f"{self.workdir} is in use by another training process ({holder}); wait for it "
+            "to end or stop it, or train in another workdir"
+        )
 
     def __enter__(self) -> "RunLock":
+        if storage.is_remote(self.path):
+            self._acquire_object()
+            return self
         os.makedirs(self.workdir, exist_ok=True)
         f = open(self.path, "a+")
         try:
@@ -219,23 +252,101 @@ class RunLock(contextlib.AbstractContextManager):
             f.seek(0)
             holder = f.read().strip() or "unknown process"
             f.close()
-            raise WorkdirInUse(
-                f"{self.workdir} is in use by another training process ({holder}); wait for it "
-                "to end or stop it, or train in another workdir"
-            ) from None
+            raise self._in_use(holder) from None
         f.truncate(0)
-        f.write(
-            f"pid {os.getpid()} on {socket.gethostname()} since "
-            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
-        )
+        h = self._holder()
+        f.write(f"pid {h['pid']} on {h['host']} since {h['since']}\n")
         f.flush()
         self._file = f
         return self
 
+    def _acquire_object(self) -> None:
+        self._holder_record = self._holder()
+        record = json.dumps(self._holder_record)
+        for _ in range(3):  # the lock changing hands meanwhile: race again, at most 3 times
+            try:
+                self._generation = storage.create_new(self.path, record)
+                break
+            except FileExistsError:
+                found = storage.read_with_generation(self.path)
+                if found is None:
+                    continue  # released meanwhile
+                text, generation = found
+                why = self._stale(text)
+                if why is None:
+                    raise self._in_use(_describe_holder(text)) from None
+                try:  # replaced only if still the stale one: one of two racers wins
+                    self._generation = storage.replace_if_unchanged(self.path, record, generation)
+                except FileExistsError:
+                    continue
+                logging.warning("%s: took over a stale run lock (%s)", self.path, why)
+                break
+        else:
+            raise self._in_use("the lock kept changing hands")
+        self._thread = threading.Thread(target=self._heartbeat, name="run-lock", daemon=True)
+        self._thread.start()
+
+    def _stale(self, text: str) -> str | None:
+        """Why the lock object holding ``text`` is stale, or None if it is live."""
+        try:
+            holder = json.loads(text)
+            age = time.time() - float(holder["heartbeat"])
+            host, pid = holder["host"], int(holder["pid"])
+        except (ValueError, KeyError, TypeError):
+            return "unreadable"
+        if age > self.stale_after_s:
+            return f"no heartbeat for {age:.0f} s"
+        if host == socket.gethostname() and not _process_runs(pid):
+            return f"pid {pid} no longer runs on {host}"
+        return None
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            self._holder_record["heartbeat"] = time.time()
+            try:
+                self._generation = storage.replace_if_unchanged(
+                    self.path, json.dumps(self._holder_record), self._generation
+                )
+            except FileExistsError:
+                self._lost = "another process took the lock over"
+                return
+            except Exception as e:  # noqa: BLE001 (a failed request: retried at the next beat)
+                logging.warning("%s: run lock heartbeat failed: %s", self.path, e)
+
+    def check(self) -> None:
+        """Raises `WorkdirInUse` if this process no longer holds the lock."""
+        if self._lost:
+            raise self._in_use(f"this process lost its run lock: {self._lost}")
+
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self._file, fcntl.LOCK_UN)
-        self._file.close()
-        self._file = None
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            if not self._lost:
+                storage.delete_if_unchanged(self.path, self._generation)
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']} since {h['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "unknown process"
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = None, **overrides):
@@ -250,7 +361,7 @@ def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = Non
     graphdef, abstract = abstract_params(cfg, mesh or sharding.make_mesh(), sharding_rules(workdir))
     with Checkpoints(workdir) as checkpoints:
         params, step = checkpoints.restore_params(abstract, step)
-    tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
+    tok = load_tokenizer(storage.join(workdir, "tokenizer"))
     vocab_map = read_vocab_map(workdir)
     _check_vocab(workdir, vocab_map, tok, cfg.vocab_size)
     if vocab_map is not None:
