@@ -20,12 +20,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import os
 from collections.abc import Iterable
 
 import ml_collections
 
-from mars_jax import sharding
+from mars_jax import sharding, storage
 from mars_jax.errors import MissingPath, SettingError
 
 SOURCES = ("synthetic", "gsm8k", "messages")  # rows.SYNTHETIC and the row formats
@@ -356,9 +355,9 @@ def _check_paths(cfg, training: bool) -> None:
         if training:
             _need_file(cfg, "data.train_path")
         _need_file(cfg, "data.eval_path")
-    if training and cfg.init_from and not os.path.isdir(cfg.init_from):
+    if training and cfg.init_from and not storage.isdir(cfg.init_from):
         raise MissingPath("init_from", cfg.init_from, "is not a directory")
-    if cfg.tokenizer_path and not os.path.isdir(cfg.tokenizer_path):
+    if cfg.tokenizer_path and not storage.isdir(cfg.tokenizer_path):
         raise MissingPath("tokenizer_path", cfg.tokenizer_path, "is not a directory")
     if training and cfg.init_from:
         _check_trim_vocab(cfg)
@@ -367,8 +366,8 @@ def _check_paths(cfg, training: bool) -> None:
 def _check_trim_vocab(cfg) -> None:
     """``data.trim_vocab`` must match ``init_from``: a trimmed run starts from scratch or from
     a trimmed run (whose id map it keeps), an untrimmed one never from a trimmed run."""
-    is_run = os.path.exists(os.path.join(cfg.init_from, "model.json"))
-    trimmed = os.path.exists(os.path.join(cfg.init_from, "vocab_map.json"))
+    is_run = storage.exists(storage.join(cfg.init_from, "model.json"))
+    trimmed = storage.exists(storage.join(cfg.init_from, "vocab_map.json"))
     if cfg.data.trim_vocab and not is_run:
         raise SettingError(
             "data.trim_vocab",
@@ -396,7 +395,7 @@ def _need_file(cfg, key: str) -> None:
     path = _get(cfg, key)
     if not path:
         raise MissingPath(key, path, f"is empty; data.source={cfg.data.source!r} needs a file")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise MissingPath(key, path, "does not exist")
 
 

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import tempfile
 import time
 
 import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, config, decode, plots, vocab
+from mars_jax import cli, config, decode, plots, storage, vocab
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.errors import AlreadyExists, InputError
@@ -93,30 +93,33 @@ def write_report(workdir: str, report: dict) -> str:
     it to ``workdir/eval.json``, the latest evaluation. Beside each, the same name with ".png"
     holds the Pareto plot of the report's thresholds (`plots.pareto_plot`: accuracy against
     tokens per forward). Returns the new JSON file's path."""
-    directory = os.path.join(workdir, "eval")
-    os.makedirs(directory, exist_ok=True)
+    directory = storage.join(workdir, "eval")
+    storage.makedirs(directory)
     stem = f"step_{report['step']}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     text = json.dumps(report, indent=2)
     for n in range(1000):
-        path = os.path.join(directory, stem + (f"_{n}" if n else "") + ".json")
+        path = storage.join(directory, stem + (f"_{n}" if n else "") + ".json")
         try:
-            with open(path, "x") as f:
-                f.write(text)
+            storage.create_new(path, text)  # never overwrites (gs://: a generation precondition)
             break
         except FileExistsError:
             continue
     else:
         raise AlreadyExists(f"{directory}: too many evaluations named {stem}_*.json")
-    with open(os.path.join(workdir, "eval.json"), "w") as f:
-        f.write(text)
-    plot = os.path.splitext(path)[0] + ".png"
-    plots.pareto_plot(
-        {report["workdir"]: report["results"]},
-        plot,
-        title=f"{report['workdir']} step {report['step']}\n{report['num_examples']} examples, "
-        f"block size {report['block_size']}, {report['cache_mode']} cache, {report['rule']} rule",
-    )
-    shutil.copyfile(plot, os.path.join(workdir, "eval.png"))
+    storage.write_text(storage.join(workdir, "eval.json"), text)
+    with tempfile.TemporaryDirectory(prefix="mars_jax_") as tmp:
+        local = os.path.join(tmp, "plot.png")
+        plots.pareto_plot(
+            {report["workdir"]: report["results"]},
+            local,
+            title=f"{report['workdir']} step {report['step']}\n{report['num_examples']} "
+            f"examples, block size {report['block_size']}, {report['cache_mode']} cache, "
+            f"{report['rule']} rule",
+        )
+        with open(local, "rb") as f:
+            image = f.read()
+    storage.write_bytes(os.path.splitext(path)[0] + ".png", image)
+    storage.write_bytes(storage.join(workdir, "eval.png"), image)
     return path
 
 

@@ -19,11 +19,10 @@ decode with MARS.
 from __future__ import annotations
 
 import json
-import os
 
 from absl import flags, logging
 
-from mars_jax import cli, huggingface, plots
+from mars_jax import cli, huggingface, plots, storage
 from mars_jax import workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.tokenizer import Tokenizer
@@ -60,11 +59,10 @@ def export_run(
         model, output, dtype=dtype, mask_token_id=tok.mask_id, block_size=block_size
     )
     tok.save(output)
-    eval_path = os.path.join(workdir, "eval.json")
+    eval_path = storage.join(workdir, "eval.json")
     report = None
-    if os.path.exists(eval_path):
-        with open(eval_path) as f:
-            report = json.load(f)
+    if storage.exists(eval_path):
+        report = json.loads(storage.read_text(eval_path))
     card = model_card(
         wd.read_run_config(workdir),
         tok,
@@ -74,8 +72,7 @@ def export_run(
         eval_report=report,
         base_model=base_model,
     )
-    with open(os.path.join(output, "README.md"), "w") as f:
-        f.write(card)
+    storage.write_text(storage.join(output, "README.md"), card)
     logging.info("exported %s step %d to %s", workdir, step, output)
     return step
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import re
+import tempfile
 from typing import Any
 
 import jax
@@ -30,6 +31,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from mars_jax import storage
 from mars_jax.errors import AlreadyExists, InputError, NotFound
 from mars_jax.model import ModelConfig, Qwen2, abstract_model
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID
@@ -180,17 +182,16 @@ def _checkpoint_files(path: str) -> list[str]:
     that converts them to safetensors; the pickles are never opened. Raises ValueError for an
     index whose ``weight_map`` names a file that is not ``.safetensors``.
     """
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    index = storage.join(path, "model.safetensors.index.json")
+    if storage.exists(index):
+        files = sorted(set(json.loads(storage.read_text(index))["weight_map"].values()))
         for file in files:
             if not file.endswith(".safetensors"):
                 raise InputError(f"{index}: weight_map names {file!r}, not a .safetensors file")
         return files
-    if os.path.exists(os.path.join(path, "model.safetensors")):
+    if storage.exists(storage.join(path, "model.safetensors")):
         return ["model.safetensors"]
-    pickled = sorted(f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES))
+    pickled = [f for f in storage.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
     if pickled:
         raise NotFound(
             f"{path}: no model.safetensors, only pickle-based weights ({', '.join(pickled)}), "
@@ -359,9 +360,17 @@ def load_hf_state(path: str, cfg: ModelConfig) -> nnx.State:
     Raises FileNotFoundError without safetensors weights (`_checkpoint_files`).
     """
     state = nnx.state(abstract_model(cfg), nnx.Param)
-    sources = _sources(path, cfg, state)
-    full = lambda leaf: (slice(None),) * len(leaf.shape)
-    return jax.tree.map(lambda leaf, s: _read(s, full(leaf), leaf.dtype), state, sources)
+    with _local_weights(path) as local:
+        sources = _sources(local, cfg, state)
+        full = lambda leaf: (slice(None),) * len(leaf.shape)
+        return jax.tree.map(lambda leaf, s: _read(s, full(leaf), leaf.dtype), state, sources)
+
+
+def _local_weights(path: str):
+    """`storage.local_dir` of the weight files of HF directory ``path`` (a ``gs://`` one is
+    copied to local disk: safetensors reads through a memory map)."""
+    names = ["model.safetensors.index.json", *_checkpoint_files(path)]
+    return storage.local_dir(path, names)
 
 
 def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.State:
@@ -379,10 +388,14 @@ def load_hf_sharded(path: str, cfg: ModelConfig, abstract: nnx.State) -> nnx.Sta
     for a missing, unused or wrongly shaped tensor, before any tensor data is read. A tied
     model's stored ``lm_head.weight`` is compared with the embedding as in `load_hf_state`;
     that comparison reads both whole tensors on every process, a block of rows at a time,
-    before any parameter is read (`_check_tied_head` says why).
+    before any parameter is read (`_check_tied_head` says why). A ``gs://`` directory's weight
+    files are first copied whole to each process's local disk.
     """
-    sources = _sources(path, cfg, abstract)
+    with _local_weights(path) as local:
+        return _load_sharded(_sources(local, cfg, abstract), abstract)
 
+
+def _load_sharded(sources: nnx.State, abstract: nnx.State) -> nnx.State:
     def place(leaf, source):
         parts = {}
 
@@ -407,11 +420,10 @@ def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "flo
 
     Raises FileNotFoundError without config.json, and as `_checkpoint_files` without
     safetensors weights (pickled ones are refused); ValueError as `config_from_hf`."""
-    source = os.path.join(path, "config.json")
-    if not os.path.exists(source):
+    source = storage.join(path, "config.json")
+    if not storage.exists(source):
         raise NotFound(f"{source} not found: {path} is not a Hugging Face model directory")
-    with open(source) as f:
-        hf = json.load(f)
+    hf = json.loads(storage.read_text(source))
     _checkpoint_files(path)
     if "auto_map" in hf:
         logging.warning(
@@ -469,13 +481,26 @@ def export_hf(
         )
     if block_size is not None and block_size < 1:
         raise InputError(f"block_size must be >= 1, got {block_size}")
-    os.makedirs(path, exist_ok=True)
-    stale = [f for f in os.listdir(path) if f.endswith(".safetensors") or f.endswith(".index.json")]
+    storage.makedirs(path)
+    names = storage.listdir(path) if storage.exists(path) else []
+    stale = [f for f in names if f.endswith(".safetensors") or f.endswith(".index.json")]
     if stale:
         raise AlreadyExists(
             f"{path} already holds weights ({', '.join(sorted(stale))}); "
             "export into an empty or new directory"
         )
+    if storage.is_remote(path):  # safetensors writes local files: write here, then upload
+        with tempfile.TemporaryDirectory(prefix="mars_jax_") as local:
+            export_hf(
+                model,
+                local,
+                max_shard_bytes=max_shard_bytes,
+                dtype=dtype,
+                mask_token_id=mask_token_id,
+                block_size=block_size,
+            )
+            storage.copy_tree(local, path)
+        return
     cfg = model.cfg if dtype is None else dataclasses.replace(model.cfg, param_dtype=dtype)
     tensors = {}
     for p, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from absl import logging
 
+from mars_jax import storage
 from mars_jax.errors import InputError
 from mars_jax.synthetic import arithmetic_problems
 
@@ -223,7 +224,7 @@ def read_rows(
     bytes, is read whole or not at all.
 
     Args:
-      path: the file.
+      path: the file (local or ``gs://``).
       max_bad_fraction: the largest fraction of the non-blank lines of a JSON Lines file that
         may be skipped (0: none, the default; 1: any number).
       skips: a Counter that the skipped lines are added to by reason (None: not reported).
@@ -238,10 +239,11 @@ def read_rows(
         without a byte-order mark (UTF-16 saved without one); or the extension is none of the
         three.
     """
-    path = Path(path)
+    path = storage.Path(path)  # a local path or a gs:// URL
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
+        with path.open("rb") as f:
+            return pq.read_table(f).to_pylist()
     if suffix not in (".jsonl", ".json"):
         raise InputError(f"{path}: expected a .jsonl, .json or .parquet file")
     raw = path.read_bytes()

