@@ -31,10 +31,11 @@
 #                  creation path is shown)
 #   -h, --help     this text
 #
-# Example (stage 1 of configs/qwen0_5b.py; the workdir must be on storage all workers share):
+# Example (stage 1 of configs/qwen0_5b.py; workdir, weights and data in a bucket that the VM's
+# service account can write, or on a filesystem every worker mounts at the same path):
 #   bash launch/tpu_vm.sh -- python -m mars_jax.train --config=configs/qwen0_5b.py:ar \
-#     --workdir=/mnt/shared/runs/q05/ar --config.init_from=/mnt/shared/Qwen2.5-0.5B-Instruct \
-#     --config.data.train_path=/mnt/shared/sft.jsonl --config.mesh.rules.embed="('data','fsdp')"
+#     --workdir=gs://my-bucket/runs/q05/ar --config.init_from=gs://my-bucket/Qwen2.5-0.5B-Instruct \
+#     --config.data.train_path=gs://my-bucket/sft.jsonl --config.mesh.rules.embed="('data','fsdp')"
 #
 # gcloud flags as documented for `gcloud compute tpus tpu-vm` and `gcloud compute tpus
 # queued-resources` (GA track); not run against a real project from this repository's CI.
