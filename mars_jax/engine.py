@@ -1,0 +1,332 @@
+"""Continuous batching on the decoder's per-row cursors: a fixed number of slots, each decoding
+its own request with its own threshold, temperature, seed and token budget; a request waiting
+for a slot takes the first one that frees, while the others keep decoding.
+
+The engine has the shape of JetStream's (prefill a request, insert it into a free slot, run
+decode steps for all slots) over `mars_jax.decode.Decoder`:
+
+- ``prefill``: `Decoder.prefill` of the request alone, its prompt right-padded to the engine's
+  prompt width, with its settings (threshold, temperature, seed as in `decode.generate`).
+- ``insert``: that one-row `DecodeState` written into row ``slot`` of the batch state (its KV
+  cache rows, tokens, cursors and settings), one jitted update with the batch state donated.
+- ``steps``: `Decoder.steps`, a few forwards of every slot per device call. A slot that is empty
+  or finished is carried unchanged.
+
+`Engine.run_once` is one turn of the host loop: admit waiting requests into free slots, run the
+steps, hand each request the tokens committed since the last turn (`Stream`), and free the slots
+of finished or cancelled requests. `Engine.start` runs it in a thread. A request decodes exactly
+as `decode.generate` of its prompt alone with the same settings (its budget as
+``max_new_tokens``): a row's tokens depend only on its prompt, settings and seed (see
+`mars_jax.decode`), never on the other slots or on when it was admitted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mars_jax.decode import ACCEPTANCE_RULES, CACHE_MODES, Decoder, DecoderSettings, DecodeState
+from mars_jax.errors import InputError
+from mars_jax.model import Qwen2
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One completion request: prompt token ids, a budget of new tokens, and its settings."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    threshold: float = 1.0
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Update:
+    """What a request received in one turn: ``tokens`` committed since the last update (EOS
+    left out), ``done`` with ``finish_reason`` ("stop": an EOS; "length": the budget;
+    "cancelled"), and the request's counts so far."""
+
+    tokens: list[int]
+    done: bool = False
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    forwards: int = 0
+
+
+class Stream:
+    """A submitted request's handle: `updates` yields its `Update`s as they come (blocking), or
+    each goes to ``on_update`` (called from the engine's thread; e.g. to hand it to an event
+    loop); `cancel` frees its slot at the engine's next turn (a client that went away)."""
+
+    def __init__(self, request: Request, on_update: Callable[[Update], None] | None = None):
+        self.request = request
+        self._queue: queue.Queue[Update] = queue.Queue()
+        self._on_update = on_update
+        self.cancelled = threading.Event()
+
+    def put(self, update: Update) -> None:
+        if self._on_update is not None:
+            self._on_update(update)
+        else:
+            self._queue.put(update)
+
+    def updates(self, timeout: float | None = None):
+        while True:
+            update = self._queue.get(timeout=timeout)
+            yield update
+            if update.done:
+                return
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], Update]:
+        """All tokens of the completion and the last update (blocking)."""
+        tokens, last = [], None
+        for last in self.updates(timeout):
+            tokens += last.tokens
+        return tokens, last
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def _insert(state: DecodeState, one: DecodeState, slot) -> DecodeState:
+    """``state`` with row ``slot`` replaced by the one-row state ``one`` (its batch counter kept)."""
+
+    def put(big, small):
+        return big.at[slot].set(small[0])
+
+    fields = {
+        f.name: put(getattr(state, f.name), getattr(one, f.name))
+        for f in dataclasses.fields(state)
+        if f.name not in ("cache", "forwards")
+    }
+    cache = None
+    if state.cache is not None:
+        cache = {n: state.cache[n].at[:, slot].set(one.cache[n][:, 0]) for n in state.cache}
+    return state.replace(cache=cache, **fields)
+
+
+def _retire(state: DecodeState, free) -> DecodeState:
+    """``state`` with the rows of bool [R] ``free`` marked done, and the batch's forward count
+    reset (the engine runs for ever; `Decoder.finished` counts forwards per call)."""
+    return state.replace(done=state.done | free, forwards=jnp.zeros_like(state.forwards))
+
+
+class Engine:
+    """``slots`` rows of continuous batching with one model (see the module docstring).
+
+    Args:
+      model: a `Qwen2` (placed on its mesh, if any).
+      slots: rows decoded together.
+      max_prompt_len: the prompt width every request is padded to (longer ones are refused).
+      max_new_tokens: the largest budget of one request.
+      block_size, cache_mode, rule, eos_ids, mask_id, mesh, axis_rules: as `decode.generate`.
+      steps_per_call: forwards per device call (per host turn).
+      sampling: compile the sampling path (needed for any request with temperature > 0).
+    """
+
+    def __init__(
+        self,
+        model: Qwen2,
+        *,
+        slots: int,
+        max_prompt_len: int,
+        max_new_tokens: int,
+        block_size: int,
+        cache_mode: str = "sliding",
+        rule: str = "prob",
+        eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
+        mask_id: int = MASK_ID,
+        steps_per_call: int = 4,
+        sampling: bool = True,
+        mesh=None,
+        axis_rules: Any = None,
+    ):
+        if slots < 1 or max_prompt_len < 1 or max_new_tokens < 1 or steps_per_call < 1:
+            raise InputError("slots, max_prompt_len, max_new_tokens, steps_per_call must be >= 1")
+        if cache_mode == "block":
+            raise InputError("cache_mode='block' makes rows wait at block ends: use 'sliding'")
+        if cache_mode not in CACHE_MODES or rule not in ACCEPTANCE_RULES:
+            raise InputError(f"unknown cache_mode {cache_mode!r} or rule {rule!r}")
+        ACCEPTANCE_RULES[rule].check(sampling=sampling, cache_mode=cache_mode)
+        graphdef, self.params = nnx.split(model)
+        self.decoder = Decoder(
+            graphdef,
+            DecoderSettings(
+                block_size=block_size,
+                max_new_tokens=max_new_tokens,
+                eos_ids=tuple(int(e) for e in eos_ids),
+                mask_id=int(mask_id),
+                sampling=sampling,
+                cache_mode=cache_mode,
+                rule=rule,
+                adaptive_window=True,
+                mesh=mesh,
+                axis_rules=None if axis_rules is None else tuple(axis_rules),
+                on_accept=None,
+            ),
+        )
+        self.slots, self.max_prompt_len = slots, max_prompt_len
+        self.max_new_tokens, self.steps_per_call = max_new_tokens, steps_per_call
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self._insert = jax.jit(_insert, donate_argnums=0)
+        self._retire = jax.jit(_retire, donate_argnums=0)
+        empty = self._prefill([Request((ENDOFTEXT_ID,), 1)] * slots)
+        self.state = self._retire(empty, jnp.ones((slots,), bool))
+        self._streams: list[Stream | None] = [None] * slots
+        self._sent = [0] * slots  # tokens handed to each slot's stream
+        self._waiting: collections.deque[Stream] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.forwards = 0  # decoding forwards run so far (each of all slots)
+
+    # -- requests --------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """Raises InputError (naming the field) for a request this engine cannot decode."""
+        n = len(request.prompt_ids)
+        if not 1 <= n <= self.max_prompt_len:
+            raise InputError(f"prompt: {n} tokens; this engine takes 1 to {self.max_prompt_len}")
+        if not 1 <= request.max_tokens <= self.max_new_tokens:
+            raise InputError(
+                f"max_tokens: {request.max_tokens}; this engine takes 1 to {self.max_new_tokens}"
+            )
+        if not 0 < request.threshold <= 1:
+            raise InputError(f"threshold: {request.threshold}; must lie in (0, 1]")
+        if request.temperature < 0 or (
+            request.temperature > 0 and not self.decoder.settings.sampling
+        ):
+            raise InputError(f"temperature: {request.temperature}; must be >= 0 (0 greedy)")
+        if not 0 <= request.seed < 2**32:
+            raise InputError(f"seed: {request.seed}; must lie in 0..2**32-1")
+
+    def submit(self, request: Request, on_update: Callable[[Update], None] | None = None) -> Stream:
+        """Queues ``request`` (checked first, `check`); returns its `Stream` (see there for
+        ``on_update``)."""
+        self.check(request)
+        stream = Stream(request, on_update)
+        with self._lock:
+            self._waiting.append(stream)
+        self._wake.set()
+        return stream
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self._streams)
+
+    # -- the host loop ---------------------------------------------------------------------------
+    def _prefill(self, requests: Sequence[Request]) -> DecodeState:
+        rows, width = len(requests), self.max_prompt_len
+        ids = np.full((rows, width), ENDOFTEXT_ID, np.int32)
+        for r, q in enumerate(requests):
+            ids[r, : len(q.prompt_ids)] = q.prompt_ids
+        return self.decoder.prefill(
+            self.params,
+            jnp.asarray(ids),
+            jnp.asarray([len(q.prompt_ids) for q in requests], jnp.int32),
+            jnp.asarray([q.threshold for q in requests], jnp.float32),
+            jnp.int32(self.decoder.settings.block_size),
+            jnp.asarray([q.temperature for q in requests], jnp.float32),
+            jax.vmap(jax.random.key)(jnp.asarray([q.seed for q in requests], jnp.uint32)),
+        )
+
+    def _admit(self) -> None:
+        for slot in range(self.slots):
+            if self._streams[slot] is not None:
+                continue
+            with self._lock:
+                stream = None
+                while self._waiting and stream is None:
+                    stream = self._waiting.popleft()
+                    if stream.cancelled.is_set():
+                        stream.put(Update([], True, "cancelled"))
+                        stream = None
+            if stream is None:
+                return
+            self.state = self._insert(self.state, self._prefill([stream.request]), slot)
+            self._streams[slot], self._sent[slot] = stream, 0
+
+    def run_once(self) -> bool:
+        """One turn: admit, decode ``steps_per_call`` forwards, hand out tokens, free slots.
+        Returns whether any request is active or waiting afterwards."""
+        self._admit()
+        if self.active == 0:
+            return bool(self._waiting)
+        self.state = self.decoder.steps(self.params, self.state, self.steps_per_call)
+        s = jax.device_get(
+            (
+                self.state.tokens,
+                self.state.prompt_lengths,
+                self.state.new_tokens,
+                self.state.row_forwards,
+                self.state.forwards,
+            )
+        )
+        tokens, prompt_lengths, new_tokens, row_forwards, forwards = s
+        self.forwards += int(forwards)
+        free = np.zeros((self.slots,), bool)
+        for slot, stream in enumerate(self._streams):
+            if stream is None:
+                continue
+            budget = stream.request.max_tokens
+            start = int(prompt_lengths[slot]) + self._sent[slot]
+            stop = int(prompt_lengths[slot]) + min(int(new_tokens[slot]), budget)
+            fresh = [int(t) for t in tokens[slot, start:stop]]
+            reason = None
+            for i, t in enumerate(fresh):
+                if t in self.eos_ids:
+                    fresh, reason = fresh[:i], "stop"
+                    break
+            self._sent[slot] += len(fresh)
+            if reason is None and self._sent[slot] >= budget:
+                reason = "length"
+            if reason is None and stream.cancelled.is_set():
+                reason = "cancelled"
+            update = Update(
+                fresh, reason is not None, reason, self._sent[slot], int(row_forwards[slot])
+            )
+            if fresh or update.done:
+                stream.put(update)
+            if update.done:
+                self._streams[slot], free[slot] = None, True
+        self.state = self._retire(self.state, jnp.asarray(free))
+        return self.active > 0 or bool(self._waiting)
+
+    def start(self) -> None:
+        """Runs the host loop in a daemon thread until `stop`."""
+
+        def loop():
+            while not self._stop.is_set():
+                if not self.run_once():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+
+        self._thread = threading.Thread(target=loop, name="mars-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the loop after its current turn; requests still queued or decoding are ended
+        with finish_reason "cancelled"."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        for stream in [*self._streams, *self._waiting]:
+            if stream is not None:
+                stream.put(Update([], True, "cancelled"))
+        self._streams = [None] * self.slots
+        self._waiting.clear()

@@ -1,0 +1,131 @@
+"""Continuous batching (`mars_jax.engine`): every request's completion equals `decode.generate` of
+its prompt alone with its settings, whatever else is in flight and whenever it was admitted
+(staggered arrivals, more requests than slots, mixed thresholds, budgets, temperatures and
+seeds), and a cancelled request frees its slot for the next one."""
+
+import numpy as np
+import pytest
+
+from mars_jax import decode, engine
+from mars_jax.errors import InputError
+from mars_jax.tokenizer import DEFAULT_EOS_IDS
+
+from decode_oracles import make_batch, make_model
+
+B, SLOTS, WIDTH, MAX_NEW = 4, 3, 12, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(300.0)
+
+
+@pytest.fixture(scope="module")
+def eng(model):
+    return engine.Engine(
+        model,
+        slots=SLOTS,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=3,
+    )
+
+
+def alone(model, request: engine.Request) -> list[int]:
+    """The oracle: `decode.generate` of the request's prompt alone."""
+    out = decode.generate(
+        model,
+        np.asarray([request.prompt_ids], np.int32),
+        np.asarray([len(request.prompt_ids)], np.int32),
+        block_size=B,
+        threshold=request.threshold,
+        max_new_tokens=request.max_tokens,
+        temperature=request.temperature,
+        seed=request.seed,
+    )
+    return out.tokens[0, : out.lengths[0]].tolist()
+
+
+def requests(n, seed=0):
+    lengths = np.random.default_rng(seed).integers(1, WIDTH + 1, size=n)
+    _, _, prompts = make_batch(lengths.tolist(), seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    return [
+        engine.Request(
+            tuple(p),
+            max_tokens=int(rng.integers(1, MAX_NEW + 1)),
+            threshold=float(rng.choice([1.0, 0.9, 0.5])),
+            temperature=float(rng.choice([0.0, 0.0, 0.7])),
+            seed=int(rng.integers(0, 2**32)),
+        )
+        for p in prompts
+    ]
+
+
+def test_staggered_requests_decode_as_alone(model, eng):
+    """9 requests through 3 slots, submitted in three waves between engine turns."""
+    reqs = requests(9)
+    streams = []
+    for wave in range(3):
+        streams += [eng.submit(r) for r in reqs[3 * wave : 3 * wave + 3]]
+        for _ in range(wave + 1):  # the earlier requests are mid-decode when the next arrive
+            eng.run_once()
+    while eng.run_once():
+        pass
+    for request, stream in zip(reqs, streams):
+        tokens, last = stream.result(timeout=1)
+        assert tokens == alone(model, request), request
+        assert last.done and last.completion_tokens == len(tokens)
+        expected = "length" if len(tokens) == request.max_tokens else "stop"
+        assert last.finish_reason == expected
+        assert not set(tokens) & set(DEFAULT_EOS_IDS)
+    assert eng.active == 0 and eng.waiting == 0
+
+
+def test_streamed_updates_add_up_and_threads_work(model, eng):
+    reqs = requests(4, seed=7)
+    eng.start()
+    try:
+        streams = [eng.submit(r) for r in reqs]
+        for request, stream in zip(reqs, streams):
+            pieces = [u.tokens for u in stream.updates(timeout=120)]
+            assert sum(pieces, []) == alone(model, request)
+    finally:
+        eng.stop()
+
+
+def test_cancel_frees_the_slot(model):
+    eng = engine.Engine(
+        model, slots=1, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, steps_per_call=1
+    )
+    first, second = requests(2, seed=3)
+    first = engine.Request(first.prompt_ids, MAX_NEW, threshold=1.0)
+    s1, s2 = eng.submit(first), eng.submit(second)
+    eng.run_once()
+    s1.cancel()
+    while eng.run_once():
+        pass
+    _, last = s1.result(timeout=1)
+    assert last.finish_reason in ("cancelled", "stop")
+    tokens, _ = s2.result(timeout=1)
+    assert tokens == alone(model, second)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(prompt_ids=()), "prompt"),
+        (dict(prompt_ids=(1,) * (WIDTH + 1)), "prompt"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=MAX_NEW + 1), "max_tokens"),
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=1.5), "threshold"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(seed=2**32), "seed"),
+    ],
+)
+def test_bad_requests_are_refused_by_field(eng, change, field):
+    request = engine.Request(**{**dict(prompt_ids=(1, 2), max_tokens=4), **change})
+    with pytest.raises(InputError, match=f"^{field}: "):
+        eng.submit(request)
