@@ -35,9 +35,13 @@ import json
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -215,6 +219,15 @@ REGISTRY = [
         "generate",
         r"python -m mars_jax\.generate --workdir=runs/tiny/mars .*",
         Smoke("run_generate", "each documented form on the tiny run, --max_new_tokens=8"),
+    ),
+    (
+        "serve",
+        r"python -m mars_jax\.serve --workdir=runs/tiny/mars --port=8000( .*)?",
+        Smoke(
+            "run_serve",
+            "on the tiny run (a free port): /health, then a chat completion, then SIGTERM "
+            "with exit status 0",
+        ),
     ),
     (
         "export",
@@ -662,6 +675,7 @@ BACKGROUND = {
         "evaluate_tiny",
         "configs_train",
         "generate",
+        "serve",
         "export",
         "lm_eval_local",
         "decode_speed_both",
@@ -853,6 +867,44 @@ def run_show_config(commands, request, tmp_path):
     [command] = commands
     out = run_command(command).stdout
     assert "train.batch_size = 8" in out.splitlines() and "objective.name = 'mars'" in out
+
+
+def run_serve(commands, request, tmp_path):
+    run = request.getfixturevalue("tiny_run")
+    for command in commands:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv, environ = prepare(command, ["--max_new_tokens=8"], subs={"runs/tiny": run})
+        argv = [f"--port={port}" if a.startswith("--port=") else a for a in argv]
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.time() + TIMEOUT_S
+            while True:
+                assert proc.poll() is None, proc.stderr.read()[-3000:]
+                assert time.time() < deadline, "the server never answered /health"
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                        if json.loads(r.read())["status"] == "ok":
+                            break
+                except OSError:
+                    time.sleep(0.2)
+            body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 8}
+            request = urllib.request.Request(
+                url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as r:
+                answer = json.loads(r.read())
+            assert answer["object"] == "chat.completion", answer
+            assert 1 <= answer["usage"]["completion_tokens"] <= 8, answer
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def run_generate(commands, request, tmp_path):

@@ -29,10 +29,11 @@ LAYERS = (
     ("5", ("train_step",)),
     ("6a", ("checkpoints",)),
     ("6b", ("workdir", "huggingface")),
-    ("7", ("decode",)),
+    ("7a", ("decode",)),
+    ("7b", ("engine",)),
     ("8a", ("settings",)),
     ("8b", ("cli",)),
-    ("8c", ("train", "evaluate", "generate", "export", "lm_eval_adapter")),
+    ("8c", ("train", "evaluate", "generate", "export", "lm_eval_adapter", "serve")),
 )
 RANK = {module: rank for rank, (_, modules) in enumerate(LAYERS) for module in modules}
 NAME = {module: name for name, modules in LAYERS for module in modules}
