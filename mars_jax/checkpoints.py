@@ -27,9 +27,9 @@ from mars_jax.errors import InputError, NotFound, StorageUnavailable
 
 # The Orbax items of a checkpoint step.
 _PARAMS, _OPT_STATE, _DATA = "params", "opt_state", "data"
-# The checksum manifest in each step directory: {relative path: [digest, size in bytes]}, the
-# digest as `storage.checksum` gives it ("sha256:<hex>" of a local file, "crc32c:<base64>" of an
-# object; a bare hex string, as earlier versions wrote, is a SHA-256).
+# The checksum manifest in each step directory: {relative path: [digest, size in bytes]}: the
+# SHA-256 hex of a file saved on a local disk (as earlier versions wrote), "crc32c:<base64>" of
+# an object saved in a bucket (as the store computed it; nothing is downloaded to hash it).
 CHECKSUMS = "sha256.json"
 
 
@@ -62,9 +62,9 @@ def _file_problem(path: str, digest: str, size: int) -> str | None:
         return "missing"
     if (now := storage.size(path)) != size:
         return f"{now} bytes, {size} when saved (truncated?)"
-    digest = digest if ":" in digest else "sha256:" + digest
-    if storage.checksum(path) != digest:
-        kind = digest.split(":", 1)[0]
+    expected = digest if ":" in digest else "sha256:" + digest
+    kind = expected.split(":", 1)[0]  # the kind it was saved with, wherever it is now
+    if storage.checksum(path, kind) != expected:
         return f"{kind} differs from the one written at save (corrupted)"
     return None
 
@@ -79,10 +79,10 @@ def write_checksums(step_dir: str) -> None:
     for rel in storage.files_under(step_dir):
         if "/" in rel and os.path.basename(rel) != "commit_success.txt":
             path = storage.join(step_dir, rel)
-            sums[rel] = [storage.checksum(path), storage.size(path)]
-    storage.write_text(
-        storage.join(step_dir, CHECKSUMS), json.dumps(sums, indent=0, sort_keys=True)
-    )
+            digest = storage.checksum(path)
+            sums[rel] = [digest.removeprefix("sha256:"), storage.size(path)]
+    manifest = json.dumps(sums, indent=0, sort_keys=True)
+    storage.write_text(storage.join(step_dir, CHECKSUMS), manifest, atomic=True)
 
 
 class Checkpoints:
@@ -226,13 +226,14 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def _writing(self):
-        """Turns a failed write in an object store into `StorageUnavailable` (the bucket, and
-        that rerunning resumes from the last committed step); other errors pass unchanged."""
+        """Turns a write that the object store failed (`storage.unreachable`) into
+        `StorageUnavailable` (the bucket, and that rerunning resumes from the last committed
+        step); other errors pass unchanged."""
         try:
             yield
         except Exception as e:
             directory = str(self._manager.directory)
-            if not storage.is_remote(directory):
+            if not (storage.is_remote(directory) and storage.unreachable(e)):
                 raise
             raise StorageUnavailable(storage.unreachable_message([directory], e)) from e
 

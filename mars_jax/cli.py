@@ -178,13 +178,14 @@ def run(main: Callable[[], None]) -> None:
         platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
         try:
             main()
-        except StorageUnavailable as e:
-            # A failed checkpoint write leaves Orbax threads that wait minutes for signals that
-            # never come; nothing uncommitted is a step, so the process ends here.
-            sys.stderr.write(f"error: {e}\n")
-            sys.stderr.flush()
-            os._exit(1)
         except Exception as e:  # re-raised unless it is the user's
+            if (failed := _storage_unavailable(e)) is not None:
+                # A failed checkpoint write leaves Orbax threads that wait minutes for signals
+                # that never come; nothing uncommitted is a step, so the process ends here.
+                logging.getLogger(__name__).error("traceback", exc_info=e)
+                sys.stderr.write(f"error: {failed}\n")
+                sys.stderr.flush()
+                os._exit(1)
             urls = [a.split("=", 1)[-1] for a in sys.argv[1:] if "://" in a]
             if urls and storage.unreachable(e):  # the user's bucket, not a bug
                 raise SystemExit(f"error: {storage.unreachable_message(urls, e)}") from None
@@ -197,6 +198,17 @@ def run(main: Callable[[], None]) -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     with _unknown_override_exits(), _help_exits_0(sys.argv[1:]):
         app.run(absl_main)
+
+
+def _storage_unavailable(e: BaseException | None) -> StorageUnavailable | None:
+    """The `StorageUnavailable` that ``e`` is or was raised from (or while handling), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, StorageUnavailable):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def is_user_error(e: BaseException) -> bool:

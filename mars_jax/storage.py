@@ -20,7 +20,9 @@ which writes Orbax's arrays, by ``TENSORSTORE_GCS_HTTP_URL``).
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -80,18 +82,23 @@ def read_bytes(path) -> bytes:
     return Path(path).read_bytes()
 
 
-def write_bytes(path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` so that no reader sees part of it: a local file through a
-    temporary file renamed over it, an object in one upload."""
+def write_bytes(path, data: bytes, *, atomic: bool = False) -> None:
+    """Writes ``data`` to ``path``: an object in one upload (never seen half-written); a local
+    file as ``open(path, "wb")`` does, or with ``atomic`` through a temporary file renamed over
+    it (a reader sees the old file or the new one)."""
     if is_remote(path):
         Path(path).write_bytes(data)
         return
     path = os.fspath(path)
+    if not atomic:
+        with open(path, "wb") as f:
+            f.write(data)
+        return
     directory = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile("wb", dir=directory, delete=False) as f:
         f.write(data)
     try:
-        os.chmod(f.name, 0o666 & ~_umask())
+        os.chmod(f.name, 0o666 & ~_UMASK)
         os.replace(f.name, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -99,15 +106,18 @@ def write_bytes(path, data: bytes) -> None:
         raise
 
 
-def write_text(path, text: str) -> None:
+def write_text(path, text: str, *, atomic: bool = False) -> None:
     """`write_bytes` of ``text`` in UTF-8."""
-    write_bytes(path, text.encode())
+    write_bytes(path, text.encode(), atomic=atomic)
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()  # read once, at import: setting it to read it races with other threads
 
 
 def listdir(path) -> list[str]:
@@ -136,19 +146,30 @@ def size(path) -> int:
     return os.path.getsize(path)
 
 
-def checksum(path) -> str:
-    """A digest of file ``path`` that changes when its bytes do: ``sha256:<hex>`` of a local
-    file (read once), ``crc32c:<base64>`` of an object as its store computed it on upload
-    (nothing downloaded); ``md5:`` or, failing both, ``sha256:`` of the bytes for stores
-    without crc32c."""
-    if is_remote(path):
-        info = _info(path)
-        for key, name in (("crc32c", "crc32c"), ("md5Hash", "md5")):
-            if info.get(key):
-                return f"{name}:{info[key]}"
-        return "sha256:" + hashlib.sha256(read_bytes(path)).hexdigest()
-    with open(path, "rb") as f:
-        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+def checksum(path, kind: str | None = None) -> str:
+    """A digest of file ``path`` that changes when its bytes do, as ``<kind>:<value>``.
+
+    By default the cheapest for its place: ``sha256:<hex>`` of a local file (read once),
+    ``crc32c:<base64>`` of an object as its store computed it on upload (nothing downloaded).
+    ``kind`` ("sha256" or "crc32c") asks for that one wherever the file is: a run copied
+    between a disk and a bucket is checked by the digests it was saved with (an object's SHA-256
+    is computed from its bytes, a local file's crc32c as GCS computes it)."""
+    kind = kind or ("crc32c" if is_remote(path) else "sha256")
+    if kind == "crc32c" and is_remote(path):
+        value = _info(path).get("crc32c")
+        if value:
+            return f"crc32c:{value}"
+    if kind not in ("sha256", "crc32c"):
+        raise InputError(f"{path}: unknown checksum kind {kind!r}")
+    import google_crc32c
+
+    digest = hashlib.sha256() if kind == "sha256" else google_crc32c.Checksum()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    if kind == "sha256":
+        return "sha256:" + digest.hexdigest()
+    return "crc32c:" + base64.b64encode(digest.digest()).decode()
 
 
 def _info(path) -> dict:
@@ -169,6 +190,14 @@ def remove_tree(path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def copy_file(source, target) -> None:
+    """Copies file ``source`` to ``target`` (either kind), streamed: never whole in memory."""
+    if not is_remote(target):
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    with Path(source).open("rb") as f, Path(target).open("wb") as g:
+        shutil.copyfileobj(f, g, 1 << 24)
+
+
 def move_tree(source, target) -> None:
     """Moves directory ``source`` to ``target``: a rename on a local disk, a copy of every object
     and then the deletion of the source in an object store (not atomic: an interrupted move
@@ -177,18 +206,16 @@ def move_tree(source, target) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
         shutil.move(source, target)
         return
-    for rel in files_under(source):
-        Path(join(target, rel)).write_bytes(Path(join(source, rel)).read_bytes())
+    copy_tree(source, target)
     remove_tree(source)
 
 
-def copy_tree(source, target) -> None:
-    """Copies every file under directory ``source`` to ``target`` (either kind)."""
-    for rel in files_under(source):
-        data = Path(join(source, rel)).read_bytes()
-        if not is_remote(target):
-            os.makedirs(os.path.dirname(join(target, rel)), exist_ok=True)
-        Path(join(target, rel)).write_bytes(data)
+def copy_tree(source, target, names: list[str] | None = None) -> None:
+    """Copies every file under directory ``source`` (or only ``names``, relative paths, those
+    that exist) to ``target`` (either kind)."""
+    for rel in files_under(source) if names is None else names:
+        if names is None or exists(join(source, rel)):
+            copy_file(join(source, rel), join(target, rel))
 
 
 @contextlib.contextmanager
@@ -203,33 +230,46 @@ def local_dir(path, names: list[str] | None = None) -> Iterator[str]:
     if not isdir(path):
         raise NotFound(f"{path}: no such directory in the object store")
     with tempfile.TemporaryDirectory(prefix="mars_jax_") as tmp:
-        for rel in files_under(path) if names is None else names:
-            if names is None or exists(join(path, rel)):
-                os.makedirs(os.path.dirname(join(tmp, rel)), exist_ok=True)
-                with open(join(tmp, rel), "wb") as f:
-                    f.write(read_bytes(join(path, rel)))
+        copy_tree(path, tmp, names)
         try:
             yield tmp
         except Exception as e:
-            e.args = tuple(
-                a.replace(tmp, os.fspath(path)) if isinstance(a, str) else a for a in e.args
-            )
+
+            def named(a):
+                return a.replace(tmp, os.fspath(path)) if isinstance(a, str) else a
+
+            e.args = tuple(named(a) for a in e.args)
+            if isinstance(e, OSError) and isinstance(e.filename, str):
+                e.filename = named(e.filename)
             raise
 
 
 # Object generations as preconditions (gs:// only; local files use open(..., "x") and unlink).
 
 
-def _blob(path: str):
+@functools.cache
+def _client():
     from google.cloud import storage
 
+    # project=None: bucket and object requests need none (ADC may not name one).
+    return storage.Client(project=None)
+
+
+def _blob(path: str):
     bucket, _, name = os.fspath(path).removeprefix("gs://").partition("/")
-    return storage.Client().bucket(bucket).blob(name)
+    return _client().bucket(bucket).blob(name)
 
 
 def _require_gcs(path: str) -> None:
     if not os.fspath(path).startswith("gs://"):
         raise InputError(f"{path}: exclusive create needs a local path or gs:// (not this store)")
+
+
+def _ours(path, text: str) -> int | None:
+    """The generation of ``path`` if it holds ``text`` (a write of ours whose answer was lost,
+    then retried by the client into a failed precondition), else None."""
+    found = read_with_generation(path)
+    return found[1] if found is not None and found[0] == text else None
 
 
 def create_new(path, text: str) -> int:
@@ -247,6 +287,8 @@ def create_new(path, text: str) -> int:
     try:
         blob.upload_from_string(text, if_generation_match=0)
     except exceptions.PreconditionFailed:
+        if (generation := _ours(path, text)) is not None:
+            return generation
         raise FileExistsError(path) from None
     return int(blob.generation)
 
@@ -283,12 +325,15 @@ def replace_if_unchanged(path, text: str, generation: int) -> int:
     try:
         blob.upload_from_string(text, if_generation_match=generation)
     except (exceptions.PreconditionFailed, exceptions.NotFound):
+        if (mine := _ours(path, text)) is not None:
+            return mine
         raise FileExistsError(path) from None
     return int(blob.generation)
 
 
-def delete_if_unchanged(path, generation: int) -> bool:
-    """Deletes ``path`` only if it is still at ``generation``; returns whether it did."""
+def delete_if_unchanged(path, generation: int, *, patient: bool = True) -> bool:
+    """Deletes ``path`` only if it is still at ``generation``; returns whether it did. Not
+    ``patient``: one attempt of at most 10 s (no retries), for a best-effort cleanup."""
     if not is_remote(path):
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_mtime_ns == generation:
@@ -297,33 +342,38 @@ def delete_if_unchanged(path, generation: int) -> bool:
         return False
     _require_gcs(path)
     from google.api_core import exceptions
+    from google.cloud.storage.retry import DEFAULT_RETRY
 
+    retry, timeout = (DEFAULT_RETRY, 60) if patient else (None, 10)
     blob = _blob(path)
     try:
-        blob.reload()  # checked here too: not every GCS emulator applies the precondition
+        blob.reload(retry=retry, timeout=timeout)  # not every emulator applies the precondition
         if int(blob.generation) != generation:
             return False
-        blob.delete(if_generation_match=generation)
+        blob.delete(if_generation_match=generation, retry=retry, timeout=timeout)
     except (exceptions.PreconditionFailed, exceptions.NotFound):
         return False
     return True
 
 
 def unreachable(error: BaseException) -> bool:
-    """Whether ``error`` (or an exception it was raised from) is an object store that did not
-    answer: a refused or dropped connection, a timeout, or a request that failed after its
-    client's retries (gcsfs, google-cloud-storage, tensorstore)."""
+    """Whether ``error`` or an exception it was raised from is an object store's failure: an
+    error of its clients (google-cloud-storage's API errors and exhausted retries, gcsfs's HTTP
+    errors, aiohttp's and requests' connection errors, a resumable upload that the store lost)
+    or tensorstore's report of a failed gs:// request."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, (ConnectionError, TimeoutError)):
-            return True
-        name = type(error).__name__
-        if name in ("RetryError", "ServiceUnavailable", "ClientConnectorError", "ClientOSError"):
-            return True
+        module = type(error).__module__ or ""
         text = str(error)
-        if any(m in text for m in ("UNAVAILABLE", "Connection refused", "DEADLINE_EXCEEDED")):
+        if module.startswith(("google.api_core", "google.auth", "gcsfs", "aiohttp")):
             return True
+        if module.startswith(("requests", "urllib3")) and isinstance(error, OSError):
+            return True
+        if isinstance(error, FileNotFoundError) and "/upload/storage/v1/" in text:
+            return True  # gcsfs: the store forgot a resumable upload (it restarted)
+        if "gs://" in text and any(m in text for m in ("UNAVAILABLE", "DEADLINE_EXCEEDED")):
+            return True  # tensorstore
         error = error.__cause__ or error.__context__
     return False
 

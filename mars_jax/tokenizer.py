@@ -387,6 +387,16 @@ def _add_control_tokens(
             )
 
 
+# The files `load_tokenizer` reads from a directory (a gs:// one is copied for them alone).
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+]
+
+
 def load_tokenizer(path: str | None = None) -> Tokenizer:
     """Load a Qwen2/Qwen2.5 :class:`Tokenizer`.
 
@@ -420,7 +430,7 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         )
         return Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
     if storage.is_remote(path):  # the tokenizers package reads local files only
-        with storage.local_dir(path) as local:
+        with storage.local_dir(path, TOKENIZER_FILES) as local:
             tok = load_tokenizer(local)
         if tok.template_source:
             tok.template_source = tok.template_source.replace(local, str(path), 1)

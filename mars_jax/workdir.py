@@ -228,8 +228,7 @@ class RunLock(contextlib.AbstractContextManager):
 
     def _holder(self) -> dict:
         return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
+            **_process_identity(os.getpid()),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "heartbeat": time.time(),
         }
@@ -291,13 +290,19 @@ class RunLock(contextlib.AbstractContextManager):
         try:
             holder = json.loads(text)
             age = time.time() - float(holder["heartbeat"])
-            host, pid = holder["host"], int(holder["pid"])
+            pid = int(holder["pid"])
         except (ValueError, KeyError, TypeError):
             return "unreadable"
-        if age > self.stale_after_s:
+        if age > self.stale_after_s:  # hosts' clocks are assumed synchronized well within it
             return f"no heartbeat for {age:.0f} s"
-        if host == socket.gethostname() and not _process_runs(pid):
-            return f"pid {pid} no longer runs on {host}"
+        # Only where the holder's pid means the same process here: same host, same boot, same
+        # pid namespace (containers sharing a host name have their own); then it is gone if
+        # that pid no longer runs, or runs a process started at another time.
+        here = _process_identity(pid)
+        same = ("host", "boot_id", "pid_namespace")
+        if all(holder.get(k) == here[k] is not None for k in same):
+            if here["start"] is None or holder.get("start") != here["start"]:
+                return f"pid {pid} no longer runs on {holder['host']}"
         return None
 
     def _heartbeat(self) -> None:
@@ -325,10 +330,13 @@ class RunLock(contextlib.AbstractContextManager):
             self._file = None
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            self._thread.join(15)  # a heartbeat stuck retrying is a daemon: not waited for
             self._thread = None
             if not self._lost:
-                storage.delete_if_unchanged(self.path, self._generation)
+                try:  # best effort: a lock left behind goes stale; never hide the real error
+                    storage.delete_if_unchanged(self.path, self._generation, patient=False)
+                except Exception as e:  # noqa: BLE001
+                    logging.warning("%s: run lock not removed (%s); it goes stale", self.path, e)
 
 
 def _describe_holder(text: str) -> str:
@@ -339,14 +347,30 @@ def _describe_holder(text: str) -> str:
         return "unknown process"
 
 
-def _process_runs(pid: int) -> bool:
+def _read(path: str) -> str | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _process_identity(pid: int) -> dict:
+    """Who process ``pid`` is here: host name, kernel boot id and pid namespace (Linux; None
+    elsewhere), and its start time in clock ticks since boot (None if it does not run)."""
+    stat = _read(f"/proc/{pid}/stat")
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = None
+    return {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "boot_id": (_read("/proc/sys/kernel/random/boot_id") or "").strip() or None,
+        "pid_namespace": namespace,
+        # Field 22 of /proc/<pid>/stat, counted after the parenthesized command name.
+        "start": int(stat.rsplit(")", 1)[1].split()[19]) if stat else None,
+    }
 
 
 def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = None, **overrides):

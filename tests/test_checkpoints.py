@@ -75,7 +75,7 @@ def test_checksums_cover_every_item_file(tmp_path):
         for path in (step_dir / item).rglob("*"):
             if path.is_file() and path.name != "commit_success.txt":
                 expected[str(path.relative_to(step_dir))] = [
-                    "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest(),
+                    hashlib.sha256(path.read_bytes()).hexdigest(),
                     path.stat().st_size,
                 ]
     assert sums == expected

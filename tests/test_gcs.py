@@ -118,14 +118,23 @@ def test_run_lock_on_gs(gcs):
         with pytest.raises(wd.WorkdirInUse, match=f"pid {os.getpid()} on "):
             wd.RunLock(workdir).__enter__()
     assert not storage.exists(lock_path)  # released
-    # A lock left by a process of this host that no longer runs: taken over at once.
+    # A lock left by a process of this host that no longer runs: taken over at once; but not
+    # when it was written in another pid namespace (a container with the same host name).
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     now = time.time()
-    left = {"pid": dead.pid, "host": os.uname().nodename, "since": "then", "heartbeat": now}
+    me = wd._process_identity(os.getpid())
+    left = {**me, "pid": dead.pid, "since": "then", "heartbeat": now}
+    storage.write_text(lock_path, json.dumps({**left, "pid_namespace": -1}))
+    with pytest.raises(wd.WorkdirInUse, match=f"pid {dead.pid} on "):
+        wd.RunLock(workdir).__enter__()
     storage.write_text(lock_path, json.dumps(left))
     with wd.RunLock(workdir):
         assert json.loads(storage.read_text(lock_path))["pid"] == os.getpid()
+    # A pid of this host that runs, but is another process than the one that wrote the lock.
+    storage.write_text(lock_path, json.dumps({**me, "start": me["start"] - 1, "heartbeat": now}))
+    with wd.RunLock(workdir):
+        pass
     # Another host's: live while its heartbeat is fresh, stale once it is old.
     other = {"pid": 1, "host": "another-host", "since": "then", "heartbeat": now}
     storage.write_text(lock_path, json.dumps(other))
@@ -591,3 +600,34 @@ def test_stage_2_from_a_gs_run_equals_stage_2_from_the_local_run(gs_run, straigh
         results.append((train.train(cfg, workdir)["loss"], flat_params(wd.load_model(workdir)[0])))
     assert results[0][0] == results[1][0]
     assert all(np.array_equal(results[0][1][k], results[1][1][k]) for k in results[1][1])
+
+
+def test_a_run_copied_between_disk_and_bucket_verifies_by_its_own_digests(gcs, tmp_path):
+    """A local run copied into a bucket is checked by the SHA-256 it was saved with (computed
+    from the objects' bytes); a bucket's run copied to disk by its crc32c (computed locally)."""
+    local = str(tmp_path / "local")
+    save_steps(local, [3])
+    remote = fresh("copied")
+    storage.copy_tree(local, remote)
+    with Checkpoints(remote) as reader:
+        state, step = reader.restore_latest(abstract(tiny_state(0)))
+    assert step == 3
+    assert_same_state(state, tiny_state(3))
+
+    bucket_run = fresh("saved")
+    save_steps(bucket_run, [4])
+    back = str(tmp_path / "back")
+    storage.copy_tree(bucket_run, back)
+    with Checkpoints(back) as reader:
+        state, step = reader.restore_latest(abstract(tiny_state(0)))
+    assert step == 4
+    assert_same_state(state, tiny_state(4))
+    # ... and a changed byte is still caught there.
+    manifest = json.loads((tmp_path / "back" / "checkpoints" / "4" / CHECKSUMS).read_text())
+    rel = max(manifest, key=lambda n: manifest[n][1])
+    target = tmp_path / "back" / "checkpoints" / "4" / rel
+    data = bytearray(target.read_bytes())
+    data[0] ^= 1
+    target.write_bytes(bytes(data))
+    with Checkpoints(back) as reader, pytest.raises(CheckpointError, match="crc32c differs"):
+        reader.restore_latest(abstract(tiny_state(0)))
