@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import queue
 import threading
 from typing import Any, Callable, Sequence
@@ -98,6 +99,7 @@ class Stream:
         self.cancelled.set()
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def _insert(state: DecodeState, one: DecodeState, slot) -> DecodeState:
     """``state`` with row ``slot`` replaced by the one-row state ``one`` (its batch counter kept)."""
 
@@ -115,6 +117,7 @@ def _insert(state: DecodeState, one: DecodeState, slot) -> DecodeState:
     return state.replace(cache=cache, **fields)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def _retire(state: DecodeState, free) -> DecodeState:
     """``state`` with the rows of bool [R] ``free`` marked done, and the batch's forward count
     reset (the engine runs for ever; `Decoder.finished` counts forwards per call)."""
@@ -132,6 +135,8 @@ class Engine:
       block_size, cache_mode, rule, eos_ids, mask_id, mesh, axis_rules: as `decode.generate`.
       steps_per_call: forwards per device call (per host turn).
       sampling: compile the sampling path (needed for any request with temperature > 0).
+      refill: admit a waiting request as soon as a slot frees (continuous batching); False
+        admits only into an empty batch (static batching: the baseline of the load benchmark).
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class Engine:
         mask_id: int = MASK_ID,
         steps_per_call: int = 4,
         sampling: bool = True,
+        refill: bool = True,
         mesh=None,
         axis_rules: Any = None,
     ):
@@ -177,9 +183,9 @@ class Engine:
         )
         self.slots, self.max_prompt_len = slots, max_prompt_len
         self.max_new_tokens, self.steps_per_call = max_new_tokens, steps_per_call
+        self.refill = refill
         self.eos_ids = frozenset(int(e) for e in eos_ids)
-        self._insert = jax.jit(_insert, donate_argnums=0)
-        self._retire = jax.jit(_retire, donate_argnums=0)
+        self._insert, self._retire = _insert, _retire  # jitted once for every engine
         empty = self._prefill([Request((ENDOFTEXT_ID,), 1)] * slots)
         self.state = self._retire(empty, jnp.ones((slots,), bool))
         self._streams: list[Stream | None] = [None] * slots
@@ -245,6 +251,8 @@ class Engine:
         )
 
     def _admit(self) -> None:
+        if not self.refill and self.active:
+            return
         for slot in range(self.slots):
             if self._streams[slot] is not None:
                 continue

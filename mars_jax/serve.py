@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -366,6 +367,36 @@ async def _stream(request, kind, server, chunks) -> web.StreamResponse:
     except ConnectionResetError:  # the client went away: the caller frees the slot
         pass
     return response
+
+
+class Background:
+    """``app`` served on ``host``:``port`` by an event loop in a daemon thread (for tests and the
+    load benchmark; the command line uses aiohttp's ``run_app``). `close` stops it."""
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app, access_log=None)
+        ready = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, host, port)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+            self.url = f"http://{host}:{self.port}"
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="mars-serve", daemon=True)
+        self.thread.start()
+        if not ready.wait(60):
+            raise RuntimeError("the server did not start within 60 s")
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 def make_server(

@@ -262,6 +262,15 @@ REGISTRY = [
         ),
     ),
     (
+        "serve_load",
+        r"PYTHONPATH=\. python benchmarks/serve_load\.py .*",
+        Smoke(
+            "run_serve_load",
+            "on the run its --workdir names (or tiny random weights), 4 requests of 2-4 "
+            "tokens, every mode; the written table",
+        ),
+    ),
+    (
         "decode_speed_both",
         r"PYTHONPATH=\. python benchmarks/decode_speed\.py --model=both .*",
         Smoke("run_decode_speed", "the tiny run and the random 0.5B shape, 1 prompt, 4 tokens"),
@@ -680,7 +689,7 @@ BACKGROUND = {
         "lm_eval_local",
         "decode_speed_both",
     },
-    "two_stage_synthetic": {"two_stage_synthetic", "decode_speed_trained"},
+    "two_stage_synthetic": {"two_stage_synthetic", "decode_speed_trained", "serve_load"},
     "two_stage_gsm8k": {"two_stage_gsm8k", "gsm8k_ar_control", "decode_speed_trained"},
     "claims_smoke": {"claims_smoke"},
 }
@@ -957,6 +966,18 @@ def run_lm_eval_local(commands, request, tmp_path):
         report = json.loads(results.read_text())
         assert report["n-samples"]["gsm8k_local"]["effective"] == 2
         assert 0.0 <= report["results"]["gsm8k_local"]["exact_match,strict-match"] <= 1.0
+
+
+def run_serve_load(commands, request, tmp_path):
+    for i, command in enumerate(commands):
+        out = tmp_path / f"out{i}"
+        extra = ["--requests=4", "--rate=20", "--max_seconds=30", "--min_tokens=2"]
+        extra += ["--max_tokens=4", "--slots=2", f"--output_dir={out}"]
+        run_command(command, extra, subs=resolve_subs(command, request))
+        rows = [json.loads(line) for line in (out / "serve_load.jsonl").read_text().splitlines()]
+        assert [r["mode"] for r in rows] == ["continuous", "static", "ar"], rows
+        assert all(r["requests"] == r["sent"] == 4 for r in rows), rows
+        assert (out / "serve_load.md").read_text().count("\n| ") == 4
 
 
 def run_decode_speed(commands, request, tmp_path):

@@ -129,3 +129,26 @@ def test_bad_requests_are_refused_by_field(eng, change, field):
     request = engine.Request(**{**dict(prompt_ids=(1, 2), max_tokens=4), **change})
     with pytest.raises(InputError, match=f"^{field}: "):
         eng.submit(request)
+
+
+def test_static_batching_waits_for_an_empty_batch(model):
+    """refill=False (the load benchmark's static baseline): a waiting request is admitted only
+    once every slot is free; the completions are the same."""
+    eng = engine.Engine(
+        model,
+        slots=SLOTS,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=1,
+        refill=False,
+    )
+    reqs = requests(5, seed=11)
+    streams = [eng.submit(r) for r in reqs]
+    active = []
+    while eng.run_once():
+        active.append((eng.active, eng.waiting))
+    for (a0, w0), (a1, _) in zip(active, active[1:]):
+        assert not (w0 and a0 and a1 > a0), active  # no admission into a partly busy batch
+    for request, stream in zip(reqs, streams):
+        assert stream.result(timeout=1)[0] == alone(model, request)

@@ -5,7 +5,6 @@ requests while the server keeps serving correct answers; a client that disconnec
 frees its slot; 429 when the queue is full; and the command line, which on SIGTERM lets the
 request in flight finish and exits 0."""
 
-import asyncio
 import json
 import random
 import signal
@@ -20,7 +19,6 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-from aiohttp import web
 
 from mars_jax import decode, engine, serve, train
 from mars_jax.tokenizer import load_tokenizer
@@ -36,34 +34,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Running:
-    """An app served on 127.0.0.1 by an event loop in a thread."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run():
-            asyncio.set_event_loop(self.loop)
-            self.runner = web.AppRunner(app)
-            self.loop.run_until_complete(self.runner.setup())
-            site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-            self.loop.run_until_complete(site.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        ready.wait(30)
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +63,7 @@ def make(model, tok, **kw):
         threshold=kw.pop("threshold", 0.9),
         max_waiting=kw.pop("max_waiting", 64),
     )
-    return server, Running(serve.build_app(server))
+    return server, serve.Background(serve.build_app(server))
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +278,7 @@ def test_disconnect_mid_stream_frees_the_slot(model, tok):
 
 
 def test_full_queue_is_429(model, tok):
-    server, running = make(model, tok, max_waiting=0)
+    server, running = make(model, tok, max_waiting=0)  # the live server's shapes: no compile
     try:
         status, answer = post(running, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 429 and answer["error"]["type"] == "rate_limit_error"
