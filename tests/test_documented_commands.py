@@ -499,6 +499,9 @@ def check_test_command(command: Command) -> None:
             expression = rest.pop(0)
             words = set(re.findall(r"\w+", expression)) - {"and", "or", "not"}
             assert words <= markers, f"{command}: undeclared markers {words - markers}"
+        elif arg in ("-n", "--dist"):  # pytest-xdist: workers, and how tests are shared out
+            value = rest.pop(0)
+            assert value.isdigit() or value in ("loadfile", "load", "auto"), (command, value)
         else:
             assert (ROOT / arg).exists(), f"{command}: {arg} does not exist"
 
