@@ -234,15 +234,15 @@ def train_command(workdir):
     ]
 
 
-def run_until(workdir, log, event=None) -> int:
-    """Runs the train command in ``workdir`` (stderr to ``log``) to its end, or sends it
-    SIGKILL as soon as ``event()`` holds (polled every 2 ms; it must still be running then).
-    Returns the exit status."""
+def run_until(workdir, log, event=None, env=None) -> int:
+    """Runs the train command in ``workdir`` (stderr to ``log``; environment ``env``, default
+    `python_env()`) to its end, or sends it SIGKILL as soon as ``event()`` holds (polled every
+    2 ms; it must still be running then). Returns the exit status."""
     with open(log, "w") as err:
         proc = subprocess.Popen(
             train_command(workdir),
             cwd=ROOT,
-            env=python_env(),
+            env=env or python_env(),
             stdout=subprocess.DEVNULL,
             stderr=err,
         )

@@ -22,7 +22,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from gcs_emulator import GcsEmulator
-from test_checkpoints import abstract, assert_same_state, tiny_state
+from test_checkpoints import (
+    KILL_STEPS,
+    abstract,
+    assert_same_state,
+    kill_config,
+    run_until,
+    tiny_state,
+    train_command,
+)
 
 from mars_jax import storage, train
 from mars_jax import workdir as wd
@@ -260,49 +268,6 @@ def test_tokenizer_to_and_from_gs(gcs):
 # ----------------------------------------------------------------------------------------------
 # Training runs on a gs:// workdir.
 
-KILL_STEPS = 8
-
-
-def kill_config(**extra):
-    return get_config("ar", train__num_steps=KILL_STEPS, train__save_every=2, **extra)
-
-
-def train_command(workdir):
-    return [
-        sys.executable,
-        "-m",
-        "mars_jax.train",
-        "--config=configs/tiny.py",
-        f"--workdir={workdir}",
-        *cli_flags(),
-        f"--config.train.num_steps={KILL_STEPS}",
-        "--config.train.save_every=2",
-    ]
-
-
-def run_until(gcs, workdir, log, event=None, timeout=300) -> int:
-    """The train command on ``workdir`` to its end, or SIGKILL as soon as ``event()`` holds."""
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            train_command(workdir),
-            cwd=ROOT,
-            env=python_env(**gcs.env),
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    deadline = time.time() + timeout
-    try:
-        while event is not None and not event():
-            assert proc.poll() is None, open(log).read()[-3000:]
-            assert time.time() < deadline, "the kill event never came"
-            time.sleep(0.002)
-        if event is not None:
-            proc.send_signal(signal.SIGKILL)
-        return proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
 
 def committed(gcs, workdir) -> list[int]:
     """Steps whose commit marker is on the server's disk (what Orbax counts on GCS)."""
@@ -327,15 +292,15 @@ def gs_run(gcs, straight, tmp_path_factory):
     workdir = fresh("killed")
     step4 = gcs.object_path(storage.join(workdir, "checkpoints", "4"))
     in_flight = lambda: step4.exists() and not (step4 / "commit_success.txt").exists()  # noqa: E731
-    assert run_until(gcs, workdir, tmp / "run1.log", in_flight) == -signal.SIGKILL
+    assert run_until(workdir, tmp / "run1.log", in_flight, python_env(**gcs.env)) == -signal.SIGKILL
     assert committed(gcs, workdir) == [2]
     log2 = tmp / "run2.log"
     logged_5 = lambda: f"step 5/{KILL_STEPS} " in log2.read_text()  # noqa: E731
-    assert run_until(gcs, workdir, log2, logged_5) == -signal.SIGKILL
+    assert run_until(workdir, log2, logged_5, python_env(**gcs.env)) == -signal.SIGKILL
     assert f"resuming {workdir} from its checkpoint of step 2" in log2.read_text()
     last = committed(gcs, workdir)[-1]
     log3 = tmp / "run3.log"
-    assert run_until(gcs, workdir, log3) == 0, log3.read_text()[-3000:]
+    assert run_until(workdir, log3, env=python_env(**gcs.env)) == 0, log3.read_text()[-3000:]
     assert f"resuming {workdir} from its checkpoint of step {last}" in log3.read_text()
     return workdir
 
@@ -507,7 +472,7 @@ def test_server_stopped_during_a_save_then_started_again(gcs, straight, tmp_path
         errors = [line for line in log.splitlines() if line.startswith("error: ")]
         assert errors and errors[0].startswith("error: the object store failed a request"), log
         assert "bucket 'runs'" in errors[0] and "rerun the same command" in errors[0]
-        assert run_until(gcs, workdir, tmp_path / "run2.log") == 0
+        assert run_until(workdir, tmp_path / "run2.log", env=python_env(**gcs.env)) == 0
     a, b = wd.load_model(workdir)[0], wd.load_model(straight)[0]
     pa_, pb_ = flat_params(a), flat_params(b)
     assert all(np.array_equal(pa_[k], pb_[k]) for k in pb_)
