@@ -1,4 +1,5 @@
-"""Continuous batching on the decoder's per-row cursors: a fixed number of slots, each decoding
+"""Continuous batching of MARS threshold decoding (arXiv 2604.07023, Sec. 3.3) on the decoder's
+per-row cursors: a fixed number of slots, each decoding
 its own request with its own threshold, temperature, seed and token budget; a request waiting
 for a slot takes the first one that frees, while the others keep decoding.
 
@@ -82,6 +83,8 @@ class Stream:
             self._queue.put(update)
 
     def updates(self, timeout: float | None = None):
+        """Yields the request's `Update`s until its last (``done``); blocks up to ``timeout``
+        seconds for each (queue.Empty past it). Not with ``on_update``."""
         while True:
             update = self._queue.get(timeout=timeout)
             yield update
@@ -228,10 +231,12 @@ class Engine:
 
     @property
     def waiting(self) -> int:
+        """Requests queued for a slot."""
         return len(self._waiting)
 
     @property
     def active(self) -> int:
+        """Slots decoding a request."""
         return sum(s is not None for s in self._streams)
 
     # -- the host loop ---------------------------------------------------------------------------

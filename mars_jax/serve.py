@@ -72,12 +72,15 @@ CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|mask|>")
 
 
 class RequestError(Exception):
+    """A request refused with HTTP ``status`` (400 by default), naming its field ``param``."""
+
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param, self.status = param, status
 
 
 def error_response(message: str, status: int, param: str | None = None) -> web.Response:
+    """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, with ``status``."""
     kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
     return web.json_response(
         {
@@ -93,6 +96,9 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
 
 
 def _number(body: dict, key: str, default, kind=float, low=None, high=None, low_open=False):
+    """``body[key]`` as ``kind`` (``default`` when absent or null), checked to be a number (an
+    integer for ``kind=int``; never a boolean) in [low, high] ((low, high] with ``low_open``);
+    RequestError naming ``key`` otherwise."""
     value = body.get(key)
     if value is None:
         return default
@@ -256,6 +262,7 @@ class Server:
 
 
 def build_app(server: Server) -> web.Application:
+    """The aiohttp application of ``server``: the endpoints of the module docstring."""
     app = web.Application(client_max_size=4 << 20)
 
     async def health(_):

@@ -56,14 +56,17 @@ def absolute(path: str | os.PathLike) -> str:
 
 
 def exists(path) -> bool:
+    """Whether file or directory ``path`` exists (in a bucket: an object, or objects under it)."""
     return Path(path).exists()
 
 
 def isdir(path) -> bool:
+    """Whether ``path`` is a directory (in a bucket: a prefix with objects under it)."""
     return Path(path).is_dir()
 
 
 def isfile(path) -> bool:
+    """Whether ``path`` is a file (in a bucket: an object)."""
     return Path(path).is_file()
 
 
@@ -75,10 +78,12 @@ def makedirs(path) -> None:
 
 
 def read_text(path) -> str:
+    """The text of file ``path`` (UTF-8); FileNotFoundError if it does not exist."""
     return Path(path).read_text()
 
 
 def read_bytes(path) -> bytes:
+    """The bytes of file ``path``; FileNotFoundError if it does not exist."""
     return Path(path).read_bytes()
 
 
