@@ -60,6 +60,7 @@ def define_flags():
     flags.DEFINE_integer("slots", 8, "Slots of the engine.")
     flags.DEFINE_integer("max_prompt_len", 256, "Prompt width of the engine.")
     flags.DEFINE_integer("steps_per_call", 4, "Forwards per device call.")
+    flags.DEFINE_integer("prefill_chunk", 128, "Prompt tokens per prefill forward.")
     flags.DEFINE_float("threshold", 0.9, "MARS threshold (continuous and static modes).")
     flags.DEFINE_list("modes", list(MODES), f"Modes among {MODES}.")
     flags.DEFINE_integer("seed", 0, "Seed of arrivals, prompts and budgets.")
@@ -167,6 +168,7 @@ def run_mode(mode, model, tok, block_size, name, work):
         eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
         mask_id=tok.mask_id,
         steps_per_call=FLAGS.steps_per_call,
+        prefill_chunk=FLAGS.prefill_chunk,
         sampling=False,
         refill=mode != "static",
     )

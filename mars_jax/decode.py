@@ -387,6 +387,10 @@ class Decoder:
       while not decoder.finished(state): state = decoder.step(params, state)   # one forward
       result = decoder.result(state)
 
+    A prompt can also be prefilled in chunks (the serving engine's long prompts):
+    ``state = decoder.begin(...)`` with the same arguments as ``prefill``, then
+    ``state = decoder.prefill_chunk(params, state, chunk_ids, chunk_start)`` per chunk.
+
     `decode` runs the same as one program (a ``lax.while_loop``); `generate` is its checked,
     host-side entry. Under ``settings.mesh`` every method runs sharded by ``settings.axis_rules``.
     """
@@ -429,6 +433,34 @@ class Decoder:
                 temperature,
                 row_keys,
             )
+
+    @_static_self
+    def begin(
+        self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+    ) -> DecodeState:
+        """A chunked prefill's first state (``sliding`` or ``none`` mode; arguments as
+        `prefill`): the prompts' tokens and settings with an empty cache, which
+        `prefill_chunk` then fills one chunk at a time (``none``: no cache, nothing to fill).
+        Once every prompt slot is written, decode from it as from `prefill`'s state."""
+        with self._on_mesh():
+            model = nnx.merge(self.graphdef, params)
+            s = self._initial(
+                prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+            )
+            if self.settings.cache_mode == "none":
+                return s
+            cache = init_cache(model.cfg, *s.tokens.shape)
+            return s.replace(cache=cache, cache_cursor=prompt_lengths - 1)
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+    def prefill_chunk(self, params, state: DecodeState, ids, start) -> DecodeState:
+        """``state`` with the keys/values of ids int32 [R, C] at positions start int32 [R] +
+        0..C-1 written into its cache (donated): one chunk of a prompt (see `begin`). The
+        chunk's queries attend to every slot up to their own position, the earlier chunks'."""
+        with self._on_mesh():
+            model = nnx.merge(self.graphdef, params)
+            _, cache = self._forward(model, ids, start, state.cache)
+            return state.replace(cache=cache)
 
     @_static_self
     def step(self, params, state: DecodeState) -> DecodeState:
@@ -548,15 +580,16 @@ class Decoder:
             forwards=s.forwards + forward,
         )
 
-    def _prefill(
-        self, model, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+    def _initial(
+        self, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
     ) -> DecodeState:
+        """The state before any forward: the prompts in their token slots, no cache."""
         st = self.settings
         rows, prompt_len = prompt_ids.shape
         slots = st.slots(prompt_len)
         per_row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))
         row_keys = row_keys if row_keys.ndim == 1 else jnp.broadcast_to(row_keys, (rows,))
-        s = DecodeState(
+        return DecodeState(
             threshold=per_row(threshold, jnp.float32),
             max_accept=per_row(max_accept, jnp.int32),
             temperature=per_row(temperature, jnp.float32),
@@ -572,8 +605,16 @@ class Decoder:
             row_forwards=jnp.zeros((rows,), jnp.int32),
             forwards=jnp.int32(0),
         )
+
+    def _prefill(
+        self, model, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+    ) -> DecodeState:
+        st = self.settings
+        s = self._initial(prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys)
         if st.cache_mode == "none":
             return s
+        rows, prompt_len = prompt_ids.shape
+        slots = s.tokens.shape[1]
         # Every prompt token's key/value; slots past a row's prompt hold stale values.
         positions = jnp.broadcast_to(jnp.arange(prompt_len), (rows, prompt_len))
         cache = init_cache(model.cfg, rows, slots)

@@ -6,16 +6,19 @@ for a slot takes the first one that frees, while the others keep decoding.
 The engine has the shape of JetStream's (prefill a request, insert it into a free slot, run
 decode steps for all slots) over `mars_jax.decode.Decoder`:
 
-- ``prefill``: `Decoder.prefill` of the request alone, its prompt right-padded to the engine's
-  prompt width, with its settings (threshold, temperature, seed as in `decode.generate`).
+- ``prefill``: the request alone, with its settings (threshold, temperature, seed as in
+  `decode.generate`), its prompt in chunks of ``prefill_chunk`` tokens (`Decoder.begin`, then
+  one `Decoder.prefill_chunk` forward per chunk), one chunk per host turn: a long prompt
+  delays the decoding slots by one chunk's forward per turn, not by its whole prefill.
 - ``insert``: that one-row `DecodeState` written into row ``slot`` of the batch state (its KV
   cache rows, tokens, cursors and settings), one jitted update with the batch state donated.
-- ``steps``: `Decoder.steps`, a few forwards of every slot per device call. A slot that is empty
-  or finished is carried unchanged.
+- ``steps``: `Decoder.steps`, a few forwards of every slot per device call. A slot that is empty,
+  finished or still prefilling is carried unchanged.
 
-`Engine.run_once` is one turn of the host loop: admit waiting requests into free slots, run the
-steps, hand each request the tokens committed since the last turn (`Stream`), and free the slots
-of finished or cancelled requests. `Engine.start` runs it in a thread. A request decodes exactly
+`Engine.run_once` is one turn of the host loop: reserve free slots for waiting requests, run one
+prefill chunk of each, insert those whose prompt is done, run the steps, hand each request the
+tokens committed since the last turn (`Stream`), and free the slots of finished or cancelled
+requests. `Engine.start` runs it in a thread. A request decodes exactly
 as `decode.generate` of its prompt alone with the same settings (its budget as
 ``max_new_tokens``): a row's tokens depend only on its prompt, settings and seed (see
 `mars_jax.decode`), never on the other slots or on when it was admitted.
@@ -102,6 +105,15 @@ class Stream:
         self.cancelled.set()
 
 
+@dataclasses.dataclass
+class _Prefill:
+    """A request being prefilled: its one-row state and the prompt tokens written so far."""
+
+    stream: Stream
+    state: DecodeState
+    done: int = 0
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _insert(state: DecodeState, one: DecodeState, slot) -> DecodeState:
     """``state`` with row ``slot`` replaced by the one-row state ``one`` (its batch counter kept)."""
@@ -137,6 +149,8 @@ class Engine:
       max_new_tokens: the largest budget of one request.
       block_size, cache_mode, rule, eos_ids, mask_id, mesh, axis_rules: as `decode.generate`.
       steps_per_call: forwards per device call (per host turn).
+      prefill_chunk: prompt tokens per prefill forward (None: the whole prompt width in one);
+        the prompt width is rounded up to a multiple of it.
       sampling: compile the sampling path (needed for any request with temperature > 0).
       refill: admit a waiting request as soon as a slot frees (continuous batching); False
         admits only into an empty batch (static batching: the baseline of the load benchmark).
@@ -155,13 +169,17 @@ class Engine:
         eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
         mask_id: int = MASK_ID,
         steps_per_call: int = 4,
+        prefill_chunk: int | None = None,
         sampling: bool = True,
         refill: bool = True,
         mesh=None,
         axis_rules: Any = None,
     ):
-        if slots < 1 or max_prompt_len < 1 or max_new_tokens < 1 or steps_per_call < 1:
-            raise InputError("slots, max_prompt_len, max_new_tokens, steps_per_call must be >= 1")
+        chunk = max_prompt_len if prefill_chunk is None else prefill_chunk
+        if min(slots, max_prompt_len, max_new_tokens, steps_per_call, chunk) < 1:
+            raise InputError(
+                "slots, max_prompt_len, max_new_tokens, steps_per_call, prefill_chunk must be >= 1"
+            )
         if cache_mode == "block":
             raise InputError("cache_mode='block' makes rows wait at block ends: use 'sliding'")
         if cache_mode not in CACHE_MODES or rule not in ACCEPTANCE_RULES:
@@ -185,13 +203,16 @@ class Engine:
             ),
         )
         self.slots, self.max_prompt_len = slots, max_prompt_len
+        self.prefill_chunk = min(chunk, max_prompt_len)
+        self._width = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
         self.max_new_tokens, self.steps_per_call = max_new_tokens, steps_per_call
         self.refill = refill
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self._insert, self._retire = _insert, _retire  # jitted once for every engine
-        empty = self._prefill([Request((ENDOFTEXT_ID,), 1)] * slots)
+        empty = self._begin([Request((ENDOFTEXT_ID,), 1)] * slots)
         self.state = self._retire(empty, jnp.ones((slots,), bool))
-        self._streams: list[Stream | None] = [None] * slots
+        self._streams: list[Stream | None] = [None] * slots  # decoding
+        self._prefills: dict[int, _Prefill] = {}  # slot -> a request being prefilled into it
         self._sent = [0] * slots  # tokens handed to each slot's stream
         self._waiting: collections.deque[Stream] = collections.deque()
         self._lock = threading.Lock()
@@ -239,13 +260,18 @@ class Engine:
         """Slots decoding a request."""
         return sum(s is not None for s in self._streams)
 
+    @property
+    def prefilling(self) -> int:
+        """Slots whose request's prompt is still being prefilled."""
+        return len(self._prefills)
+
     # -- the host loop ---------------------------------------------------------------------------
-    def _prefill(self, requests: Sequence[Request]) -> DecodeState:
-        rows, width = len(requests), self.max_prompt_len
+    def _begin(self, requests: Sequence[Request]) -> DecodeState:
+        rows, width = len(requests), self._width
         ids = np.full((rows, width), ENDOFTEXT_ID, np.int32)
         for r, q in enumerate(requests):
             ids[r, : len(q.prompt_ids)] = q.prompt_ids
-        return self.decoder.prefill(
+        return self.decoder.begin(
             self.params,
             jnp.asarray(ids),
             jnp.asarray([len(q.prompt_ids) for q in requests], jnp.int32),
@@ -256,10 +282,10 @@ class Engine:
         )
 
     def _admit(self) -> None:
-        if not self.refill and self.active:
+        if not self.refill and (self.active or self._prefills):
             return
         for slot in range(self.slots):
-            if self._streams[slot] is not None:
+            if self._streams[slot] is not None or slot in self._prefills:
                 continue
             with self._lock:
                 stream = None
@@ -270,15 +296,39 @@ class Engine:
                         stream = None
             if stream is None:
                 return
-            self.state = self._insert(self.state, self._prefill([stream.request]), slot)
-            self._streams[slot], self._sent[slot] = stream, 0
+            self._prefills[slot] = _Prefill(stream, self._begin([stream.request]))
+
+    def _prefill_chunks(self) -> None:
+        """One chunk of every prompt being prefilled; a finished prompt goes into its slot."""
+        c = self.prefill_chunk
+        for slot, p in list(self._prefills.items()):
+            if p.stream.cancelled.is_set():
+                del self._prefills[slot]
+                p.stream.put(Update([], True, "cancelled"))
+                continue
+            if p.state.cache is None:  # cache_mode "none": each forward reads the prompt
+                p.done = len(p.stream.request.prompt_ids)
+            else:
+                chunk = np.full((1, c), ENDOFTEXT_ID, np.int32)
+                piece = p.stream.request.prompt_ids[p.done : p.done + c]
+                chunk[0, : len(piece)] = piece
+                p.state = self.decoder.prefill_chunk(
+                    self.params, p.state, jnp.asarray(chunk), jnp.asarray([p.done], jnp.int32)
+                )
+                p.done += c
+            if p.done >= len(p.stream.request.prompt_ids):
+                del self._prefills[slot]
+                self.state = self._insert(self.state, p.state, slot)
+                self._streams[slot], self._sent[slot] = p.stream, 0
 
     def run_once(self) -> bool:
-        """One turn: admit, decode ``steps_per_call`` forwards, hand out tokens, free slots.
-        Returns whether any request is active or waiting afterwards."""
+        """One turn: admit, one prefill chunk per new request, decode ``steps_per_call``
+        forwards, hand out tokens, free slots. Returns whether any request is active, being
+        prefilled or waiting afterwards."""
         self._admit()
+        self._prefill_chunks()
         if self.active == 0:
-            return bool(self._waiting)
+            return bool(self._waiting or self._prefills)
         self.state = self.decoder.steps(self.params, self.state, self.steps_per_call)
         s = jax.device_get(
             (
@@ -317,7 +367,7 @@ class Engine:
             if update.done:
                 self._streams[slot], free[slot] = None, True
         self.state = self._retire(self.state, jnp.asarray(free))
-        return self.active > 0 or bool(self._waiting)
+        return self.active > 0 or bool(self._waiting or self._prefills)
 
     def start(self) -> None:
         """Runs the host loop in a daemon thread until `stop`."""
@@ -338,8 +388,10 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        for stream in [*self._streams, *self._waiting]:
+        prefilling = [p.stream for p in self._prefills.values()]
+        for stream in [*self._streams, *prefilling, *self._waiting]:
             if stream is not None:
                 stream.put(Update([], True, "cancelled"))
         self._streams = [None] * self.slots
+        self._prefills.clear()
         self._waiting.clear()

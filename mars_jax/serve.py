@@ -1,7 +1,8 @@
 r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching `engine.Engine`.
 
   python -m mars_jax.serve --workdir=runs/mars --port=8000 [--host=127.0.0.1 --slots=8
-      --threshold=0.95 --max_prompt_len=1024 --max_new_tokens=512 --max_waiting=64]
+      --threshold=0.95 --max_prompt_len=1024 --max_new_tokens=512 --max_waiting=64
+      --prefill_chunk=256 --mesh=1,1,8]
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a string, tokenized as is) and ``POST
 /v1/chat/completions`` (``messages`` rendered with the run's chat template), ``GET /v1/models``,
@@ -27,12 +28,12 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 from absl import flags, logging
 from aiohttp import web
 
-from mars_jax import cli, engine, vocab
+from mars_jax import cli, engine, sharding, vocab
 from mars_jax import workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
@@ -415,11 +416,22 @@ def make_server(
     threshold: float,
     max_waiting: int,
     steps_per_call: int = 4,
+    prefill_chunk: int | None = None,
+    mesh_shape: Sequence[int] | None = None,
     block_size: int | None = None,
     model_name: str | None = None,
 ) -> Server:
-    """The `Server` of the run in ``workdir`` (its latest checkpoint), its engine started."""
-    model, tok, _ = wd.load_model(workdir)
+    """The `Server` of the run in ``workdir`` (its latest checkpoint), its engine started.
+    ``mesh_shape``: (data, fsdp, tensor) sizes of the devices' mesh (-1 takes the rest); the
+    parameters and the slots are sharded by the run's rules (None: one device's decoder)."""
+    mesh = rules = None
+    if mesh_shape is not None:
+        mesh = sharding.make_mesh(*mesh_shape)
+        rows = mesh.shape["data"] * mesh.shape["fsdp"]
+        if slots % rows:
+            raise InputError(f"slots: {slots}; must be a multiple of data x fsdp = {rows}")
+        rules = wd.sharding_rules(workdir)
+    model, tok, _ = wd.load_model(workdir, mesh=mesh)
     eng = engine.Engine(
         model,
         slots=slots,
@@ -429,6 +441,9 @@ def make_server(
         eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
         mask_id=tok.mask_id,
         steps_per_call=steps_per_call,
+        prefill_chunk=prefill_chunk,
+        mesh=mesh,
+        axis_rules=rules,
     )
     eng.start()
     name = model_name or os.path.basename(os.path.normpath(workdir))
@@ -445,6 +460,10 @@ def main() -> None:
     max_new = flags.DEFINE_integer("max_new_tokens", 512, "Largest max_tokens of a request.")
     max_waiting = flags.DEFINE_integer("max_waiting", 64, "Requests waiting for a slot (429).")
     steps = flags.DEFINE_integer("steps_per_call", 4, "Forwards per device call.")
+    chunk = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per prefill forward.")
+    mesh = flags.DEFINE_list(
+        "mesh", None, "data,fsdp,tensor sizes of a mesh over this host's devices (e.g. 1,1,8)."
+    )
     name = flags.DEFINE_string("model_name", None, "Model id (default: the workdir's name).")
 
     def run():
@@ -456,6 +475,8 @@ def main() -> None:
             threshold=threshold.value,
             max_waiting=max_waiting.value,
             steps_per_call=steps.value,
+            prefill_chunk=chunk.value,
+            mesh_shape=None if mesh.value is None else [int(n) for n in mesh.value],
             model_name=name.value,
         )
         app = build_app(server)

@@ -3,6 +3,7 @@ its prompt alone with its settings, whatever else is in flight and whenever it w
 (staggered arrivals, more requests than slots, mixed thresholds, budgets, temperatures and
 seeds), and a cancelled request frees its slot for the next one."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -152,3 +153,74 @@ def test_static_batching_waits_for_an_empty_batch(model):
         assert not (w0 and a0 and a1 > a0), active  # no admission into a partly busy batch
     for request, stream in zip(reqs, streams):
         assert stream.result(timeout=1)[0] == alone(model, request)
+
+
+def test_chunked_prefill_writes_the_one_forward_cache(model):
+    """`Decoder.begin` + `prefill_chunk` over chunks of 5 leave the same keys/values in every
+    prompt slot as `Decoder.prefill`'s one forward (the oracle), and the same cursors."""
+    eng = engine.Engine(
+        model, slots=1, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, prefill_chunk=5
+    )
+    request = engine.Request(tuple(range(3, 3 + WIDTH)), 4)  # every prompt slot used
+    chunked = eng._begin([request])
+    for start in range(0, WIDTH, 5):
+        chunk = np.full((1, 5), 0, np.int32)
+        piece = request.prompt_ids[start : start + 5]
+        chunk[0, : len(piece)] = piece
+        chunked = eng.decoder.prefill_chunk(eng.params, chunked, chunk, np.asarray([start]))
+    ids = np.zeros((1, eng._width), np.int32)
+    ids[0, :WIDTH] = request.prompt_ids
+    settings = (np.ones(1), np.int32(B), np.zeros(1), jax.random.key(0)[None])
+    one = eng.decoder.prefill(eng.params, ids, np.asarray([WIDTH]), *settings)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(
+            np.asarray(chunked.cache[name])[:, :, :WIDTH],
+            np.asarray(one.cache[name])[:, :, :WIDTH],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    assert int(chunked.cache_cursor[0]) == int(one.cache_cursor[0]) == WIDTH - 1
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(model):
+    """Chunks of 4: a 12-token prompt arriving while another request decodes takes three turns
+    to prefill, and the decoding request receives tokens in each of them; both completions
+    equal their prompts decoded alone, as do the prompts of every length in chunks of 5."""
+    eng = engine.Engine(
+        model,
+        slots=2,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=1,
+        prefill_chunk=4,
+    )
+    first = engine.Request(requests(1, seed=9)[0].prompt_ids, MAX_NEW, threshold=1.0)
+    long = engine.Request(tuple(range(5, 5 + WIDTH)), 8, threshold=0.9)
+    got = {"first": [], "long": []}
+    eng.submit(first, on_update=lambda u: got["first"].append(u))
+    eng.run_once()
+    eng.submit(long, on_update=lambda u: got["long"].append(u))
+    seen = []
+    for _ in range(3):
+        before = len(got["first"])
+        eng.run_once()
+        seen.append((eng.prefilling, eng.active, len(got["first"]) > before))
+    # The long prompt is in prefill for two turns, and is decoding after the third chunk.
+    assert seen == [(1, 1, True), (1, 1, True), (0, 2, True)], seen
+    while eng.run_once():
+        pass
+    assert sum((u.tokens for u in got["first"]), []) == alone(model, first)
+    assert sum((u.tokens for u in got["long"]), []) == alone(model, long)
+
+    eng5 = engine.Engine(
+        model, slots=3, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, prefill_chunk=5
+    )
+    reqs = requests(6, seed=13)
+    streams = [eng5.submit(r) for r in reqs[:3]]
+    eng5.run_once()
+    streams += [eng5.submit(r) for r in reqs[3:]]
+    while eng5.run_once():
+        pass
+    for request, stream in zip(reqs, streams):
+        assert stream.result(timeout=1)[0] == alone(model, request), request

@@ -303,9 +303,11 @@ def test_command_line_serves_and_exits_0_on_sigterm(tmp_path):
             "--slots=2",
             "--max_new_tokens=64",
             "--max_prompt_len=128",
+            "--prefill_chunk=16",
+            "--mesh=2,1,2",  # on 4 simulated devices: slots over data, KV heads over tensor
         ],
         cwd=ROOT,
-        env=python_env(),
+        env=python_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
