@@ -94,9 +94,8 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import decode_step
-from mars_jax import cli, decode, huggingface, vocab
+from mars_jax import cli, decode, huggingface, sources, vocab
 from mars_jax import config as config_lib
-from mars_jax import workdir as wd
 from mars_jax.batches import eval_examples, eval_source
 from mars_jax.kv_cache import init_cache
 from mars_jax.model import Qwen2
@@ -223,7 +222,7 @@ def build_subjects(
         if name == "trained":
             if not workdir:
                 raise ValueError("--model=trained needs --workdir (a trained run)")
-            model, tok, _ = wd.load_model(workdir)
+            model, tok, _ = sources.load_model(workdir)
             need = max(b * math.ceil(num_prompts / b) for b in batch_sizes)
             source, fmt, seed = eval_source(config)
             examples = eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
@@ -234,7 +233,7 @@ def build_subjects(
                     name,
                     model,
                     prompts,
-                    block_size=wd.trained_block_size(workdir),
+                    block_size=sources.block_size(workdir),
                     max_new_tokens=max_new_tokens,
                     eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
                     pad_id=tok.pad_id,

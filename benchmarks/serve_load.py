@@ -38,8 +38,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mars_jax import engine, serve, vocab  # noqa: E402
-from mars_jax import workdir as wd  # noqa: E402
+from mars_jax import engine, serve, sources, vocab  # noqa: E402
 from mars_jax.rows import read_rows  # noqa: E402
 from mars_jax.synthetic import arithmetic_problems  # noqa: E402
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, load_tokenizer  # noqa: E402
@@ -71,8 +70,9 @@ def load_model():
     if FLAGS.model == "trained":
         if not FLAGS.workdir:
             raise app.UsageError("--model=trained needs --workdir")
-        model, tok, _ = wd.load_model(FLAGS.workdir)
-        return model, tok, wd.trained_block_size(FLAGS.workdir), os.path.basename(FLAGS.workdir)
+        model, tok, _ = sources.load_model(FLAGS.workdir)
+        name = os.path.basename(os.path.normpath(FLAGS.workdir))
+        return model, tok, sources.block_size(FLAGS.workdir), name
     from flax import nnx
 
     from mars_jax import config as config_lib

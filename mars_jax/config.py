@@ -64,6 +64,7 @@ def defaults(stage: str = "ar") -> ml_collections.ConfigDict:
                 "num_kv_heads": 2,  # key/value heads (grouped-query attention); divides num_heads
                 "head_dim": 16,  # width of one head
                 "rope_theta": 1e6,  # RoPE base
+                "max_position_embeddings": 32768,  # context length recorded in exports
                 "rms_norm_eps": 1e-6,  # epsilon of the RMS norms
                 "tie_word_embeddings": True,  # the output head is the embedding matrix
                 "dtype": "float32",  # compute dtype (e.g. bfloat16)

@@ -834,6 +834,19 @@ def _generate(
     )
 
 
+def mask_id_for(mask_id: int | None, block_size: int) -> int:
+    """``mask_id`` as the decoder's setting: None (a model without ``<|mask|>``) is refused
+    for block_size > 1, and is never fed at block size 1 (no masks after the one token)."""
+    if mask_id is None:
+        if block_size > 1:
+            raise InputError(
+                f"mask_id: None; block size {block_size} feeds <|mask|> tokens, and this model "
+                "has none (decode with block size 1)"
+            )
+        return -1
+    return int(mask_id)
+
+
 def generate(
     model: Qwen2,
     prompt_ids: np.ndarray,
@@ -848,7 +861,7 @@ def generate(
     adaptive_window: bool = True,
     temperature: float = 0.0,
     eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
-    mask_id: int = MASK_ID,
+    mask_id: int | None = MASK_ID,
     seed: int | Sequence[int] | np.ndarray = 0,
     mesh: Mesh | None = None,
     axis_rules: Any = None,
@@ -944,6 +957,7 @@ def generate(
         raise InputError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
     if (mesh is None) != (axis_rules is None):
         raise InputError("mesh and axis_rules go together: pass both or neither")
+    mask_id = mask_id_for(mask_id, block_size)
     if max_new_tokens == 0:  # nothing to decode: empty completions, nothing compiled or run
         zeros = np.zeros((rows,), np.int32)
         return DecodeOutput(np.zeros((rows, 0), np.int32), zeros, zeros.copy(), zeros.copy(), 0)

@@ -38,7 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mars_jax.decode import ACCEPTANCE_RULES, CACHE_MODES, Decoder, DecoderSettings, DecodeState
+from mars_jax.decode import (
+    ACCEPTANCE_RULES,
+    CACHE_MODES,
+    Decoder,
+    DecoderSettings,
+    DecodeState,
+    mask_id_for,
+)
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
@@ -192,7 +199,7 @@ class Engine:
                 block_size=block_size,
                 max_new_tokens=max_new_tokens,
                 eos_ids=tuple(int(e) for e in eos_ids),
-                mask_id=int(mask_id),
+                mask_id=mask_id_for(mask_id, block_size),
                 sampling=sampling,
                 cache_mode=cache_mode,
                 rule=rule,

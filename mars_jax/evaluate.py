@@ -38,8 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, config, decode, plots, storage, vocab
-from mars_jax import workdir as wd
+from mars_jax import cli, config, decode, plots, sources, storage, vocab
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.grading import accuracy, extract_answer
@@ -154,7 +153,9 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     config.validate(cfg, training=False)
     e = cfg.eval
     thresholds = [float(t) for t in e.thresholds]  # checked by config.validate
-    model, tok, step = wd.load_model(workdir, step=step)
+    block_size = sources.block_size(workdir, e.block_size or None)
+    model, tok, step = sources.load_model(workdir, step=step)
+    sources.check_mask(tok, block_size, workdir)
     source, fmt, seed = eval_source(cfg)
     examples = eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
@@ -162,7 +163,6 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             f"no evaluation examples in {source} read as {fmt!r} rows "
             "(set data.eval_format to the file's row format)"
         )
-    block_size = e.block_size or wd.trained_block_size(workdir)
     prompts = []
     for i, (messages, _) in enumerate(examples):
         try:

@@ -1,9 +1,12 @@
-r"""Generation: complete prompts with a trained run's checkpoint.
+r"""Generation: complete prompts with a trained run's checkpoint or a Hugging Face directory.
 
   python -m mars_jax.generate --workdir=runs/mars --prompt="What is 12 * 7?" \
       --threshold=0.95 [--block_size=4 --max_new_tokens=256 --cache_mode=sliding --rule=prob \
       --stream --json]
   python -m mars_jax.generate --workdir=runs/mars --prompts_file=prompts.jsonl --json
+  python -m mars_jax.generate --workdir=hf_out/mars --prompt="What is 12 * 7?"
+
+``--workdir`` is a run or a Hugging Face directory (`mars_jax.sources`).
 
 From Python: ``generate.complete(workdir, ["What is 12 * 7?"], threshold=0.95)``.
 
@@ -26,8 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, config, decode, vocab
-from mars_jax import workdir as wd
+from mars_jax import cli, config, decode, sources, vocab
 from mars_jax.errors import InputError
 from mars_jax.rows import read_rows
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, Tokenizer
@@ -77,15 +79,18 @@ def complete(
     stream: Callable[[int, str], None] | None = None,
 ) -> list[dict]:
     """Decodes ``prompts`` (user messages) as one batch with checkpoint ``step`` (default: the
-    latest) of the run in ``workdir``.
+    latest) of the run in ``workdir``, or with the Hugging Face directory ``workdir``.
 
-    ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's;
+    ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's (a
+    Hugging Face directory's ``mars_block_size``, `sources.block_size`);
     ``system`` is an optional system message; ``stream(row, text)``, if given, receives each
     row's text as it is committed (see `TextStream`); the other arguments are as in
     `decode.generate` and are checked (`config.check_decoding`) before the run is loaded.
     Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
-    EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}. Raises FileNotFoundError for a
-    directory that is not a run with a checkpoint, ValueError as `decode.generate`.
+    EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}.
+    Raises FileNotFoundError for a directory that is neither a run with a checkpoint nor a
+    Hugging Face directory, InputError as `sources` (no block size, no mask token) and
+    ValueError as `decode.generate`.
     """
     config.check_decoding(
         threshold=threshold,
@@ -95,7 +100,9 @@ def complete(
         cache_mode=cache_mode,
         rule=rule,
     )
-    model, tok, _ = wd.load_model(workdir, step=step)
+    block_size = sources.block_size(workdir, block_size)
+    model, tok, _ = sources.load_model(workdir, step=step)
+    sources.check_mask(tok, block_size, workdir)
     eos_ids = vocab.model_ids(tok, DEFAULT_EOS_IDS)
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
@@ -107,7 +114,7 @@ def complete(
     out = decode.generate(
         model,
         *decode.pad_prompts(ids, tok.pad_id),
-        block_size=wd.trained_block_size(workdir) if block_size is None else block_size,
+        block_size=block_size,
         threshold=threshold,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -167,7 +174,9 @@ def main() -> None:
         "prompts_file", None, 'JSONL file of {"prompt": str, "threshold": float (optional)}.'
     )
     threshold = flags.DEFINE_float("threshold", 0.95, "Confidence threshold; 1.0 = AR decoding.")
-    block_size = flags.DEFINE_integer("block_size", None, "Block size (default: the run's).")
+    block_size = flags.DEFINE_integer(
+        "block_size", None, "Block size (default: the run's, or config.json's mars_block_size)."
+    )
     max_new = flags.DEFINE_integer("max_new_tokens", 256, "Completion budget per prompt.")
     temperature = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
     cache_mode = flags.DEFINE_enum("cache_mode", "sliding", decode.CACHE_MODES, "KV cache scheme.")

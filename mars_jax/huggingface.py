@@ -37,6 +37,10 @@ from mars_jax.model import ModelConfig, Qwen2, abstract_model
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 _SUPPORTED_ACT = "silu"
+# Model types read as Qwen2: transformers' own, and the MARS reference's wrapper of it.
+QWEN2_MODEL_TYPES = ("qwen2", "a2d-qwen2")
+# transformers' Qwen2Config default, taken when config.json gives no rope_theta.
+_DEFAULT_ROPE_THETA = 10000.0
 
 
 def config_from_hf(
@@ -49,15 +53,19 @@ def config_from_hf(
     """Builds a ModelConfig from a transformers Qwen2 ``config.json`` dict.
 
     Embedding rows come from ``vocab_size`` (151,936 or 152,064 for Qwen2.5), never from a
-    tokenizer. Raises ValueError (naming ``source`` and the field) for a non-Qwen2 model type,
-    an enabled sliding window, rope scaling of any type but "default", or another activation.
+    tokenizer. ``model_type`` "a2d-qwen2" (the paper's released MARS checkpoints: a Qwen2
+    under the reference wrapper's name) reads as Qwen2. Fields left out take transformers'
+    Qwen2Config defaults (``rope_theta`` 10000, ``max_position_embeddings`` 32768, untied
+    head, ``rms_norm_eps`` 1e-6). Raises ValueError (naming ``source`` and the field) for
+    another model type, an enabled sliding window, rope scaling of any type but "default", or
+    another activation.
     """
 
     def fail(field, why):
         raise InputError(f"{source}: unsupported {field}: {why}")
 
-    if hf.get("model_type", "qwen2") != "qwen2":
-        fail("model_type", f"{hf.get('model_type')!r} (expected 'qwen2')")
+    if hf.get("model_type", "qwen2") not in QWEN2_MODEL_TYPES:
+        fail("model_type", f"{hf.get('model_type')!r} (expected one of {QWEN2_MODEL_TYPES})")
     if hf.get("use_sliding_window"):
         fail("use_sliding_window", "sliding-window attention is not implemented")
     if hf.get("hidden_act", _SUPPORTED_ACT) != _SUPPORTED_ACT:
@@ -66,7 +74,7 @@ def config_from_hf(
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         fail("rope scaling", f"{rope_type!r} (only plain RoPE is implemented)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
+    theta = rope.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
     heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -77,6 +85,7 @@ def config_from_hf(
         num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rope_theta=float(theta),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         dtype=dtype,
@@ -111,7 +120,7 @@ def config_to_hf(
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "use_sliding_window": False,
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": cfg.max_position_embeddings,
         "torch_dtype": cfg.param_dtype,
         # Qwen2.5's <|endoftext|> and <|im_end|>, where the embedding has those rows.
         **(
@@ -176,6 +185,8 @@ def _checkpoint_files(path: str) -> list[str]:
     """The safetensors files of the HF directory ``path`` (names relative to it).
 
     Only safetensors weights are read (a format of raw tensors: loading one runs no code).
+    As in transformers, ``model.safetensors`` wins over an index beside it (whose shards are
+    then ignored, with a logged warning); else the files the index's ``weight_map`` names.
     Raises FileNotFoundError without model.safetensors or model.safetensors.index.json; when
     the directory holds pickle-based weights instead (``pytorch_model.bin``, ``*.pt``,
     ``*.pth``, ``*.ckpt``, ...), the message names them and gives the transformers command
@@ -183,14 +194,18 @@ def _checkpoint_files(path: str) -> list[str]:
     index whose ``weight_map`` names a file that is not ``.safetensors``.
     """
     index = storage.join(path, "model.safetensors.index.json")
-    if storage.exists(index):
-        files = sorted(set(json.loads(storage.read_text(index))["weight_map"].values()))
-        for file in files:
-            if not file.endswith(".safetensors"):
-                raise InputError(f"{index}: weight_map names {file!r}, not a .safetensors file")
-        return files
-    if storage.exists(storage.join(path, "model.safetensors")):
+    single = storage.exists(storage.join(path, "model.safetensors"))
+    if storage.exists(index) and single:
+        logging.warning(
+            "%s: both model.safetensors and model.safetensors.index.json; model.safetensors is "
+            "loaded (as transformers does), the index and its shards are ignored",
+            path,
+        )
+    if single:
         return ["model.safetensors"]
+    weight_map = _weight_map(path)
+    if weight_map is not None:
+        return sorted(set(weight_map.values()))
     pickled = [f for f in storage.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
     if pickled:
         raise NotFound(
@@ -200,6 +215,20 @@ def _checkpoint_files(path: str) -> list[str]:
             f'as t; d = {path!r}; t.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)"'
         )
     raise NotFound(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _weight_map(path: str) -> dict[str, str] | None:
+    """The index's tensor -> file map of a sharded HF directory ``path`` (None without an
+    index, or with a model.safetensors beside it, which wins). Raises ValueError for a file
+    that is not ``.safetensors``."""
+    index = storage.join(path, "model.safetensors.index.json")
+    if storage.exists(storage.join(path, "model.safetensors")) or not storage.exists(index):
+        return None
+    weight_map = json.loads(storage.read_text(index))["weight_map"]
+    for file in sorted(set(weight_map.values())):
+        if not file.endswith(".safetensors"):
+            raise InputError(f"{index}: weight_map names {file!r}, not a .safetensors file")
+    return weight_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,10 +261,31 @@ def _sources(path: str, cfg: ModelConfig, state: nnx.State) -> nnx.State:
     as `_check_tied_head` for a stored head that differs from the tied embedding.
     """
     origin, shapes = {}, {}
+    weight_map = _weight_map(path)
     for file in _checkpoint_files(path):
         with safe_open(os.path.join(path, file), framework="np") as f:
             for name in f.keys():
+                if weight_map is not None and weight_map.get(name) != file:
+                    if name not in weight_map:
+                        raise InputError(
+                            f"{path}/{file}: tensor {name!r} is not in "
+                            "model.safetensors.index.json's weight_map"
+                        )
+                    logging.warning(
+                        "%s/%s: a copy of %r, which the index reads from %s, is ignored",
+                        path,
+                        file,
+                        name,
+                        weight_map[name],
+                    )
+                    continue
                 origin[name], shapes[name] = file, tuple(f.get_slice(name).get_shape())
+    for name, file in (weight_map or {}).items():
+        if name not in origin:
+            raise InputError(
+                f"{path}: model.safetensors.index.json reads tensor {name!r} from {file}, "
+                "which does not hold it"
+            )
     used = set()
 
     def source(p, leaf):

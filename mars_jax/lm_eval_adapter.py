@@ -32,8 +32,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import chunks, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mars_jax import config, decode, vocab
-from mars_jax import workdir as wd
+from mars_jax import config, decode, sources, vocab
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
@@ -115,9 +114,11 @@ class MarsLM(TemplateLM):
         if self.batch_size < 1:
             raise InputError(f"mars_jax: batch_size must be >= 1, got {batch_size!r}")
         self.workdir = workdir
-        self.model, self.tokenizer, self.step = wd.load_model(workdir, step=step)
+        block_size = sources.block_size(workdir, block_size)
+        self.model, self.tokenizer, self.step = sources.load_model(workdir, step=step)
+        sources.check_mask(self.tokenizer, block_size, workdir)
         self.decode_kwargs = dict(
-            block_size=block_size or wd.trained_block_size(workdir),
+            block_size=block_size,
             threshold=float(threshold),
             cache_mode=cache_mode,
             rule=rule,

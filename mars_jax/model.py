@@ -64,6 +64,7 @@ class ModelConfig:
     num_kv_heads: int = 2
     head_dim: int = 64
     rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     dtype: str = "float32"

@@ -33,8 +33,7 @@ from typing import Any, Sequence
 from absl import flags, logging
 from aiohttp import web
 
-from mars_jax import cli, engine, sharding, vocab
-from mars_jax import workdir as wd
+from mars_jax import cli, engine, sharding, sources, vocab
 from mars_jax.errors import InputError
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
@@ -421,7 +420,8 @@ def make_server(
     block_size: int | None = None,
     model_name: str | None = None,
 ) -> Server:
-    """The `Server` of the run in ``workdir`` (its latest checkpoint), its engine started.
+    """The `Server` of the run (its latest checkpoint) or Hugging Face directory in
+    ``workdir`` (`mars_jax.sources`), its engine started.
     ``mesh_shape``: (data, fsdp, tensor) sizes of the devices' mesh (-1 takes the rest); the
     parameters and the slots are sharded by the run's rules (None: one device's decoder)."""
     mesh = rules = None
@@ -430,14 +430,16 @@ def make_server(
         rows = mesh.shape["data"] * mesh.shape["fsdp"]
         if slots % rows:
             raise InputError(f"slots: {slots}; must be a multiple of data x fsdp = {rows}")
-        rules = wd.sharding_rules(workdir)
-    model, tok, _ = wd.load_model(workdir, mesh=mesh)
+        rules = sources.sharding_rules(workdir)
+    block_size = sources.block_size(workdir, block_size)
+    model, tok, _ = sources.load_model(workdir, mesh=mesh)
+    sources.check_mask(tok, block_size, workdir)
     eng = engine.Engine(
         model,
         slots=slots,
         max_prompt_len=max_prompt_len,
         max_new_tokens=max_new_tokens,
-        block_size=block_size or wd.trained_block_size(workdir),
+        block_size=block_size,
         eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
         mask_id=tok.mask_id,
         steps_per_call=steps_per_call,
@@ -451,7 +453,12 @@ def make_server(
 
 
 def main() -> None:
-    workdir = cli.workdir_flag("The run to serve (its latest checkpoint).")
+    workdir = cli.workdir_flag(
+        "The run (its latest checkpoint) or Hugging Face directory to serve."
+    )
+    block_size = flags.DEFINE_integer(
+        "block_size", None, "Block size (default: the run's, or config.json's mars_block_size)."
+    )
     host = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
     port = flags.DEFINE_integer("port", 8000, "Port to listen on.")
     slots = flags.DEFINE_integer("slots", 8, "Requests decoded together.")
@@ -477,6 +484,7 @@ def main() -> None:
             steps_per_call=steps.value,
             prefill_chunk=chunk.value,
             mesh_shape=None if mesh.value is None else [int(n) for n in mesh.value],
+            block_size=block_size.value,
             model_name=name.value,
         )
         app = build_app(server)

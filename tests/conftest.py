@@ -1,11 +1,13 @@
 """Shared helpers of the tests: configs/tiny.py's config with overrides (`tiny_config`), a Python
 subprocess from the repository root (`run_python`, `python_env`), and tiny transformers Qwen2
-checkpoints (`make_hf_model`, `save_hf` and the fixtures).
+checkpoints (`make_hf_model`, `save_hf` and the fixtures; `write_released`: the released MARS
+checkpoints' format).
 
 tests/multidevice runs in a process of its own, with 8 CPU devices set before jax starts
 (tests/test_multidevice.py runs it): it is collected only when named on the command line."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from mars_jax.tokenizer import MASK_ID, MASK_TOKEN, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,3 +162,53 @@ def bf16_ckpt(tmp_path_factory):
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(path), max_shard_size="20KB")
     return path, model
+
+
+def write_released(path, *, mask: bool = True, block_size: int | None = None):
+    """A tiny random untied Qwen2 (real special-token rows) saved in the format of the paper's
+    released MARS checkpoints: save_pretrained, then config.json as the reference's wrapper
+    writes it (model_type "a2d-qwen2", A2DQwen2LMHeadModel, an auto_map), and tokenizer files
+    with <|mask|> added as a special token (``mask=False``: a plain Qwen2.5 tokenizer, without
+    it); ``block_size`` is recorded as our exports do (mars_block_size). Returns the
+    transformers model."""
+    path = Path(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=151680,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=5000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.3)
+    model.eval()
+    model.save_pretrained(str(path))
+    hf = json.loads((path / "config.json").read_text())
+    hf.update(
+        model_type="a2d-qwen2",
+        architectures=["A2DQwen2LMHeadModel"],
+        auto_map={
+            "AutoConfig": "configuration_a2d.A2DQwen2Config",
+            "AutoModelForCausalLM": "modeling_a2d.A2DQwen2LMHeadModel",
+        },
+    )
+    if block_size is not None:
+        hf["mars_block_size"] = block_size
+    (path / "config.json").write_text(json.dumps(hf))
+    load_tokenizer(None).save(str(path))
+    if not mask:  # a plain Qwen2.5 tokenizer: no <|mask|> in its files
+        tj = json.loads((path / "tokenizer.json").read_text())
+        tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] != MASK_TOKEN]
+        (path / "tokenizer.json").write_text(json.dumps(tj))
+        tc = json.loads((path / "tokenizer_config.json").read_text())
+        tc["added_tokens_decoder"].pop(str(MASK_ID))
+        tc.pop("mask_token")
+        (path / "tokenizer_config.json").write_text(json.dumps(tc))
+    return model

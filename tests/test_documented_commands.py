@@ -46,6 +46,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_released
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 DOC_FILES = [
@@ -193,8 +195,21 @@ REGISTRY = [
     (
         "evaluate_tiny",
         r"python -m mars_jax\.evaluate --config=configs/tiny\.py:mars "
-        r"--workdir=runs/tiny/mars( .*)?",
-        Smoke("run_evaluate", "on the tiny run; the table's title and header are printed"),
+        r"--workdir=runs/tiny/(mars|hf)( .*)?",
+        Smoke(
+            "run_evaluate",
+            "on the tiny run or its export; the table's title and header are printed",
+        ),
+    ),
+    (
+        "evaluate_released",
+        r"python -m mars_jax\.evaluate --config=configs/gsm8k\.py:mars "
+        r"--workdir=released/mars-b4 .*",
+        Smoke(
+            "run_evaluate_released",
+            "needs ../shared/data; on a tiny checkpoint in the released format "
+            "(conftest.write_released), 2 examples; the table is printed",
+        ),
     ),
     (
         "gsm8k_ar_control",
@@ -217,16 +232,21 @@ REGISTRY = [
     ),
     (
         "generate",
-        r"python -m mars_jax\.generate --workdir=runs/tiny/mars .*",
-        Smoke("run_generate", "each documented form on the tiny run, --max_new_tokens=8"),
+        r"python -m mars_jax\.generate --workdir=(runs/tiny/mars|runs/tiny/hf|released/mars-b4) .*",
+        Smoke(
+            "run_generate",
+            "each documented form on the tiny run, its export or a tiny checkpoint in the "
+            "released format, --max_new_tokens=8",
+        ),
     ),
     (
         "serve",
-        r"python -m mars_jax\.serve --workdir=runs/tiny/mars --port=8000( .*)?",
+        r"python -m mars_jax\.serve --workdir=(runs/tiny/mars|runs/tiny/hf|released/mars-b4)"
+        r"( --block_size=\d+)? --port=8000( .*)?",
         Smoke(
             "run_serve",
-            "on the tiny run (a free port): /health, then a chat completion, then SIGTERM "
-            "with exit status 0",
+            "on the tiny run, its export or a tiny checkpoint in the released format (a free "
+            "port): /health, then a chat completion, then SIGTERM with exit status 0",
         ),
     ),
     (
@@ -250,6 +270,14 @@ REGISTRY = [
         NotRun(
             "downloads GSM8K from the Hugging Face Hub: needs network",
             "downloads the dataset from the Hub",
+        ),
+    ),
+    (
+        "lm_eval_paper_tasks",
+        r"python -m mars_jax\.lm_eval_adapter .*--tasks gsm8k_cot,.*",
+        NotRun(
+            "downloads the paper's benchmark datasets from the Hugging Face Hub: needs network",
+            "downloads the datasets from the Hub",
         ),
     ),
     (
@@ -841,9 +869,10 @@ def run_two_stage_qwen0_5b(commands, request, tmp_path):
 
 def run_evaluate(commands, request, tmp_path):
     for command in commands:
-        run = request.getfixturevalue("tiny_run")
-        proc = run_command(command, EVAL_SMOKE[:3] + EVAL_SMOKE[4:], subs={"runs/tiny": run})
-        check_eval_tables(proc.stdout, [run / "mars"])
+        subs = model_subs(command, request)
+        proc = run_command(command, EVAL_SMOKE[:3] + EVAL_SMOKE[4:], subs=subs)
+        stage = "hf" if "runs/tiny/hf" in command.text else "mars"
+        check_eval_tables(proc.stdout, [subs["runs/tiny"] / stage])
         if "thresholds=" in command.text:  # the documented thresholds are kept
             documented = re.search(r"thresholds=\(([^)]*)\)", command.text).group(1)
             for t in documented.replace(" ", "").split(","):
@@ -882,12 +911,11 @@ def run_show_config(commands, request, tmp_path):
 
 
 def run_serve(commands, request, tmp_path):
-    run = request.getfixturevalue("tiny_run")
     for command in commands:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        argv, environ = prepare(command, ["--max_new_tokens=8"], subs={"runs/tiny": run})
+        argv, environ = prepare(command, ["--max_new_tokens=8"], subs=model_subs(command, request))
         argv = [f"--port={port}" if a.startswith("--port=") else a for a in argv]
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stderr=subprocess.PIPE, text=True)
@@ -903,12 +931,12 @@ def run_serve(commands, request, tmp_path):
                 except OSError:
                     time.sleep(0.2)
             body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 8}
-            request = urllib.request.Request(
+            chat = urllib.request.Request(
                 url + "/v1/chat/completions",
                 data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"},
             )
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as r:
+            with urllib.request.urlopen(chat, timeout=TIMEOUT_S) as r:
                 answer = json.loads(r.read())
             assert answer["object"] == "chat.completion", answer
             assert 1 <= answer["usage"]["completion_tokens"] <= 8, answer
@@ -919,16 +947,43 @@ def run_serve(commands, request, tmp_path):
                 proc.kill()
 
 
+def model_subs(command, request) -> dict:
+    """The documented model directories of ``command``: the tiny run, its export, the tiny
+    checkpoint in the released format (each made on first use)."""
+    subs = {"runs/tiny": request.getfixturevalue("tiny_run")}
+    if "runs/tiny/hf" in command.text:
+        request.getfixturevalue("tiny_export")
+    if "released/mars-b4" in command.text:
+        subs["released/mars-b4"] = request.getfixturevalue("released_checkpoint")
+    return subs
+
+
+@pytest.fixture(scope="module")
+def released_checkpoint(tmp_path_factory):
+    """A tiny checkpoint in the paper's released format (block size not recorded)."""
+    path = tmp_path_factory.mktemp("released") / "mars-b4"
+    write_released(path)
+    return path
+
+
+def run_evaluate_released(commands, request, tmp_path):
+    needs_shared_data()
+    for command in commands:
+        subs = model_subs(command, request)
+        proc = run_command(command, EVAL_SMOKE[:3] + EVAL_SMOKE[4:], subs=subs)
+        check_eval_tables(proc.stdout, [subs["released/mars-b4"]])
+        report = json.loads((subs["released/mars-b4"] / "eval.json").read_text())
+        assert (report["step"], report["block_size"]) == (0, 4), report
+
+
 def run_generate(commands, request, tmp_path):
-    run = request.getfixturevalue("tiny_run")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         '{"prompt": "What is 2 + 3?"}\n{"prompt": "What is 4 * 5?", "threshold": 0.9}\n'
     )
     for command in commands:
-        out = run_command(
-            command, ["--max_new_tokens=8"], subs={"runs/tiny": run, "prompts.jsonl": prompts}
-        ).stdout
+        subs = {**model_subs(command, request), "prompts.jsonl": prompts}
+        out = run_command(command, ["--max_new_tokens=8"], subs=subs).stdout
         # A 2-step model's completion may be blank lines, but it is printed.
         assert out and "Traceback" not in out, command
         if "--json" in command.text:

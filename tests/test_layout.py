@@ -29,6 +29,7 @@ LAYERS = (
     ("5", ("train_step",)),
     ("6a", ("checkpoints",)),
     ("6b", ("workdir", "huggingface")),
+    ("6c", ("sources",)),
     ("7a", ("decode",)),
     ("7b", ("engine",)),
     ("8a", ("settings",)),

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from mars_jax import huggingface, kv_cache
+from mars_jax.errors import InputError
 from mars_jax.kv_cache import SELECT_MAX_SLOTS, init_cache, read_window, write_window
 from mars_jax.model import ModelConfig, RMSNorm, causal_mask, rope_tables
 
@@ -393,6 +394,83 @@ def test_embedding_rows_come_from_config_vocab_size(tmp_path):
     assert load_file(str(tmp_path / "export" / "model.safetensors"))[
         "model.embed_tokens.weight"
     ].shape == (151936, 8)
+
+
+def test_missing_rope_theta_takes_transformers_default(tied_ckpt, tmp_path):
+    """A config.json without rope_theta: transformers' Qwen2 default (10000), not Qwen2.5's 1e6
+    (which differed from transformers' logits by 2e-3 here)."""
+    path = copy_ckpt(tied_ckpt[0], tmp_path / "no_theta")
+    hf_cfg = json.loads((path / "config.json").read_text())
+    for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+        hf_cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(hf_cfg))
+    model = huggingface.load_hf(str(path))
+    assert model.cfg.rope_theta == 10000.0
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype="float32").eval()
+    ids, valid = right_padded_batch(TINY["vocab_size"], [12, 9], 12, seed=4)
+    ref = hf_logits(theirs, ids, attention_mask=valid.astype(np.int64))
+    np.testing.assert_allclose(our_logits(model, ids, valid)[valid], ref[valid], rtol=0, atol=1e-4)
+
+
+def test_load_then_export_keeps_every_field(tmp_path):
+    """transformers reads our export of a loaded checkpoint back to the source's values."""
+    fields = dict(
+        max_position_embeddings=4096,
+        rope_theta=2500.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        num_key_value_heads=1,
+        head_dim=12,
+    )
+    save_hf(tmp_path / "src", seed=3, **fields)
+    huggingface.export_hf(huggingface.load_hf(str(tmp_path / "src")), str(tmp_path / "out"))
+    source = AutoConfig.from_pretrained(str(tmp_path / "src"))
+    back = AutoConfig.from_pretrained(str(tmp_path / "out"))
+    for key in [*fields, "vocab_size", "hidden_size", "num_attention_heads"]:
+        if key == "rope_theta":
+            assert back.rope_parameters["rope_theta"] == source.rope_parameters["rope_theta"]
+        else:
+            assert getattr(back, key) == getattr(source, key), key
+
+
+def test_a_tensor_is_read_from_the_shard_the_index_names(tied_ckpt, tmp_path, caplog):
+    path = tmp_path / "stale"
+    save_hf(path, seed=0, max_shard_size="20KB")  # tied_ckpt's weights, in several files
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    other = max(index.values())  # the stale copy goes into the file read last
+    name = next(n for n, f in sorted(index.items()) if f != other and n.endswith("q_proj.weight"))
+    tensors = load_file(str(path / other))
+    tensors[name] = np.zeros_like(load_file(str(path / index[name]))[name])  # a stale copy
+    save_file(tensors, str(path / other), metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        loaded = huggingface.load_hf(str(path))
+    assert f"a copy of {name!r}" in caplog.text and other in caplog.text
+    expected = huggingface.load_hf(str(tied_ckpt[0]))
+    for a, b in zip(jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(expected))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # A tensor that the index does not list, and an index entry whose file lacks it: errors.
+    tensors["model.extra.weight"] = np.ones((2,), np.float32)
+    save_file(tensors, str(path / other), metadata={"format": "pt"})
+    with pytest.raises(InputError, match=r"'model.extra.weight' is not in .*weight_map"):
+        huggingface.load_hf(str(path))
+    del tensors["model.extra.weight"], tensors[name]
+    save_file(tensors, str(path / other), metadata={"format": "pt"})
+    moved = {**index, name: other}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": moved}))
+    with pytest.raises(InputError, match=f"reads tensor {name!r} from {other}, which does not"):
+        huggingface.load_hf(str(path))
+
+
+def test_model_safetensors_beside_an_index_wins_as_in_transformers(tied_ckpt, tmp_path):
+    path = tmp_path / "both"
+    save_hf(path, seed=7, max_shard_size="20KB")  # an older sharded save
+    shutil.copy(tied_ckpt[0] / "model.safetensors", path / "model.safetensors")
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype="float32").eval()
+    ids, valid = right_padded_batch(TINY["vocab_size"], [12, 5], 12, seed=5)
+    ref = hf_logits(theirs, ids, attention_mask=valid.astype(np.int64))
+    np.testing.assert_allclose(ref[valid], hf_logits(tied_ckpt[1], ids)[valid], atol=1e-5)
+    ours = our_logits(huggingface.load_hf(str(path)), ids, valid)
+    np.testing.assert_allclose(ours[valid], ref[valid], rtol=0, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -204,3 +204,28 @@ def test_conflicting_special_token_in_tokenizer_json_raises(offline, tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=r"tokenizer\.json: id 151644"):
         T.load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_mask_goes_past_the_ids_of_a_qwen3_like_tokenizer(offline, tmp_path, declared):
+    """Qwen3's tokenizer has <tool_response>, </tool_response>, <think>, </think> at 151665-8:
+    <|mask|> is read where the files declare it, else added past every id, never over them."""
+    offline.save(str(tmp_path))
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != T.MASK_TOKEN]
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    qwen3 = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
+    config["added_tokens_decoder"] = {
+        k: v for k, v in config["added_tokens_decoder"].items() if int(k) < T.MASK_ID
+    }
+    for i, text in enumerate(qwen3 + ([T.MASK_TOKEN] if declared else [])):
+        config["added_tokens_decoder"][str(T.MASK_ID + i)] = {"content": text, "special": True}
+    config.pop("mask_token")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = T.load_tokenizer(str(tmp_path))
+    assert (tok.mask_id, tok.mask_declared) == (151669, declared)
+    assert tok.encode("<think><|mask|>") == [151667, 151669]
+    assert (
+        offline.mask_declared is False and T.load_tokenizer(str(tmp_path)).mask_declared == declared
+    )

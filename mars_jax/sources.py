@@ -1,0 +1,108 @@
+"""Where a model to decode comes from: a mars-jax training run, or a Hugging Face directory.
+
+Every command that decodes (generate, evaluate, serve, the lm-eval adapter, the benchmarks)
+takes either as its ``--workdir``:
+
+- a run (it has ``model.json``): its latest (or chosen) checkpoint, its tokenizer/ and its
+  training block size (`mars_jax.workdir`);
+- a Hugging Face directory (``config.json`` + safetensors, as transformers writes it: our
+  exports, the paper's released MARS checkpoints with ``model_type: "a2d-qwen2"``, a plain
+  Qwen2.5): its weights read straight into the mesh as training reads ``init_from``
+  (`huggingface.load_hf_sharded`), its tokenizer files and chat template, ``<|mask|>``'s id
+  from its tokenizer files, and the block size from ``mars_block_size`` in config.json
+  (written by our exports) unless given.
+
+A directory whose tokenizer files do not declare ``<|mask|>`` is not a MARS model: it decodes
+one token per forward (block size 1), and asking it for more is refused (`check_mask`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from mars_jax import huggingface, sharding, storage
+from mars_jax import workdir as wd
+from mars_jax.errors import InputError, NotFound
+from mars_jax.model import abstract_params
+from mars_jax.tokenizer import load_tokenizer
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (config.json, no model.json)."""
+    return not wd.is_workdir(path) and storage.exists(storage.join(path, "config.json"))
+
+
+def _hf_config(path: str) -> dict:
+    return json.loads(storage.read_text(storage.join(path, "config.json")))
+
+
+def load_model(path: str, *, mesh: Mesh | None = None, step: int | None = None, **overrides):
+    """(model, tokenizer, step) of the run or Hugging Face directory ``path`` (step 0 for a
+    Hugging Face directory, which has no steps). ``mesh`` (default: every device on the data
+    axis) and ``overrides`` (`ModelConfig` fields, e.g. dtype) as `workdir.load_model`.
+
+    Raises FileNotFoundError for a directory that is neither (naming what it lacks);
+    InputError for a ``step`` asked of a Hugging Face directory, or a config.json
+    ``mask_token_id`` that is not the tokenizer's ``<|mask|>``; as `huggingface.load_hf_sharded`.
+    """
+    if not is_hf_dir(path):
+        if not wd.is_workdir(path):
+            raise NotFound(
+                f"{path}: neither a mars-jax run (model.json) nor a Hugging Face model directory "
+                "(config.json)"
+            )
+        return wd.load_model(path, mesh=mesh, step=step, **overrides)
+    if step is not None:
+        raise InputError(f"step: {step}; {path} is a Hugging Face directory, which has no steps")
+    cfg = huggingface.read_hf_config(path, **overrides)
+    mesh = mesh or sharding.make_mesh()
+    graphdef, abstract = abstract_params(cfg, mesh, sharding_rules(path))
+    params = huggingface.load_hf_sharded(path, cfg, abstract)
+    tok = load_tokenizer(path)
+    recorded = _hf_config(path).get("mask_token_id")
+    if recorded is not None and tok.mask_declared and int(recorded) != tok.mask_id:
+        raise InputError(
+            f"{storage.join(path, 'config.json')}: mask_token_id {recorded}, but the tokenizer "
+            f"files give <|mask|> id {tok.mask_id}"
+        )
+    if not tok.mask_declared:
+        tok.mask_id = None  # not a MARS model: `check_mask` refuses multi-token decoding
+    return nnx.merge(graphdef, params), tok, 0
+
+
+def sharding_rules(path: str) -> sharding.Rules:
+    """The logical-axis rules of a run (its ``mesh.rules``), or the default rules for a
+    Hugging Face directory."""
+    return sharding.logical_rules() if is_hf_dir(path) else wd.sharding_rules(path)
+
+
+def block_size(path: str, given: int | None = None) -> int:
+    """``given`` if set; else a run's training block size, or a Hugging Face directory's
+    ``mars_block_size`` (config.json). Raises InputError for a Hugging Face directory that
+    records none, saying how to give it."""
+    if given is not None:
+        return int(given)
+    if not is_hf_dir(path):
+        return wd.trained_block_size(path)
+    recorded = _hf_config(path).get("mars_block_size")
+    if recorded is None:
+        raise InputError(
+            f"{storage.join(path, 'config.json')} records no mars_block_size: give the block "
+            "size the model was trained with (--block_size, or eval.block_size for evaluate; 1 "
+            "decodes one token per forward)"
+        )
+    return int(recorded)
+
+
+def check_mask(tok, block_size: int, path: str) -> None:
+    """Raises InputError when ``block_size`` > 1 (MARS decoding) is asked of a model whose
+    tokenizer files declare no ``<|mask|>`` (``tok.mask_id`` None, see `load_model`)."""
+    if block_size > 1 and tok.mask_id is None:
+        raise InputError(
+            f"{path}: its tokenizer files declare no <|mask|> token, so it is not a MARS model "
+            f"and cannot decode block size {block_size}; use block size 1 (one token per "
+            "forward), or the tokenizer files the MARS model was trained with"
+        )
