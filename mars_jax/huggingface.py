@@ -33,14 +33,33 @@ from safetensors.numpy import save_file
 
 from mars_jax import storage
 from mars_jax.errors import AlreadyExists, InputError, NotFound
-from mars_jax.model import ModelConfig, Qwen2, abstract_model
+from mars_jax.model import ROPE_TYPES, ModelConfig, Qwen2, abstract_model
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 _SUPPORTED_ACT = "silu"
-# Model types read as Qwen2: transformers' own, and the MARS reference's wrapper of it.
-QWEN2_MODEL_TYPES = ("qwen2", "a2d-qwen2")
-# transformers' Qwen2Config default, taken when config.json gives no rope_theta.
-_DEFAULT_ROPE_THETA = 10000.0
+# config.json model types -> `ModelConfig.family`: transformers' own, and the names under which
+# the MARS reference's wrapper (A2D) saves the same architectures.
+MODEL_TYPES = {
+    "qwen2": "qwen2",
+    "a2d-qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "a2d-qwen3": "qwen3",
+    "llama": "llama",
+    "a2d-llama": "llama",
+}
+# What each family's transformers class is called, and its config defaults where config.json
+# leaves a field out (transformers' Qwen2Config, Qwen3Config, LlamaConfig).
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+_DEFAULTS = {
+    "qwen2": dict(rope_theta=10000.0, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "qwen3": dict(rope_theta=10000.0, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "llama": dict(rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6),
+}
+_LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def config_from_hf(
@@ -53,30 +72,46 @@ def config_from_hf(
     """Builds a ModelConfig from a transformers Qwen2 ``config.json`` dict.
 
     Embedding rows come from ``vocab_size`` (151,936 or 152,064 for Qwen2.5), never from a
-    tokenizer. ``model_type`` "a2d-qwen2" (the paper's released MARS checkpoints: a Qwen2
-    under the reference wrapper's name) reads as Qwen2. Fields left out take transformers'
-    Qwen2Config defaults (``rope_theta`` 10000, ``max_position_embeddings`` 32768, untied
-    head, ``rms_norm_eps`` 1e-6). Raises ValueError (naming ``source`` and the field) for
-    another model type, an enabled sliding window, rope scaling of any type but "default", or
-    another activation.
+    tokenizer. ``model_type`` qwen2, qwen3 or llama (`MODEL_TYPES`; "a2d-qwen2", the paper's
+    released MARS checkpoints, is a Qwen2 under the reference wrapper's name). Fields left out
+    take the family's transformers defaults (``rope_theta`` 10000, ``max_position_embeddings``
+    32768, or 2048 for Llama, untied head, ``rms_norm_eps`` 1e-6). Raises ValueError (naming
+    ``source`` and the field) for another model type, an enabled sliding window, rope scaling
+    of another type than "default" or "llama3", MLP biases, or another activation.
     """
 
     def fail(field, why):
         raise InputError(f"{source}: unsupported {field}: {why}")
 
-    if hf.get("model_type", "qwen2") not in QWEN2_MODEL_TYPES:
-        fail("model_type", f"{hf.get('model_type')!r} (expected one of {QWEN2_MODEL_TYPES})")
+    model_type = hf.get("model_type", "qwen2")
+    if model_type not in MODEL_TYPES:
+        fail("model_type", f"{model_type!r} (expected one of {tuple(MODEL_TYPES)})")
+    family = MODEL_TYPES[model_type]
+    defaults = _DEFAULTS[family]
     if hf.get("use_sliding_window"):
         fail("use_sliding_window", "sliding-window attention is not implemented")
     if hf.get("hidden_act", _SUPPORTED_ACT) != _SUPPORTED_ACT:
         fail("hidden_act", repr(hf.get("hidden_act")))
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if hf.get("mlp_bias"):
+        fail("mlp_bias", "MLP biases are not implemented")
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        fail("rope scaling", f"{rope_type!r} (only plain RoPE is implemented)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
+    if rope_type not in ROPE_TYPES:
+        fail("rope scaling", f"{rope_type!r} (plain RoPE and llama3 are implemented)")
+    scaling = {}
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_ROPE if k not in rope]
+        if missing:
+            fail("rope scaling", f"llama3 without {', '.join(missing)}")
+        scaling = {f"rope_{k}": rope[k] for k in _LLAMA3_ROPE}
+    theta = rope.get("rope_theta", hf.get("rope_theta", defaults["rope_theta"]))
     heads = hf["num_attention_heads"]
     return ModelConfig(
+        family=family,
+        attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        rope_type=rope_type,
+        **scaling,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
@@ -85,8 +120,10 @@ def config_from_hf(
         num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rope_theta=float(theta),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=int(
+            hf.get("max_position_embeddings", defaults["max_position_embeddings"])
+        ),
+        rms_norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         dtype=dtype,
         param_dtype=param_dtype,
@@ -105,9 +142,24 @@ def config_to_hf(
     model was trained to decode) are added when given; transformers keeps such keys as plain
     config attributes, and `config_from_hf` reads only the keys it needs.
     """
+    family = {
+        "qwen2": {"use_sliding_window": False},
+        "qwen3": {"use_sliding_window": False, "attention_bias": cfg.attention_bias},
+        "llama": {"attention_bias": cfg.attention_bias, "mlp_bias": False},
+    }[cfg.family]
+    rope = {}
+    if cfg.rope_type == "llama3":
+        rope = {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                **{k: getattr(cfg, f"rope_{k}") for k in _LLAMA3_ROPE},
+            }
+        }
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": [_ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        **family,
+        **rope,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -119,7 +171,6 @@ def config_to_hf(
         "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "use_sliding_window": False,
         "max_position_embeddings": cfg.max_position_embeddings,
         "torch_dtype": cfg.param_dtype,
         # Qwen2.5's <|endoftext|> and <|im_end|>, where the embedding has those rows.

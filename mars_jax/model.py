@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 decoder in Flax NNX.
+"""Qwen2 / Qwen2.5 decoder in Flax NNX, with the Qwen3 and Llama 3 families as variants.
 
 One model serves every use in MARS (arXiv 2604.07023, Sec. 3): causal AR training, the
 ``[noisy | clean]`` MARS layout (explicit position ids and an explicit boolean attention mask)
@@ -7,7 +7,10 @@ and cached decoding (a functional KV cache, `mars_jax.kv_cache`: arrays in, arra
 Architecture as in transformers' ``Qwen2ForCausalLM``: token embedding; per layer
 RMSNorm -> grouped-query attention (q/k/v with bias, o without; rotary embeddings with
 ``rope_theta`` in the rotate-half layout) -> residual -> RMSNorm -> SwiGLU MLP -> residual;
-final RMSNorm; LM head tied to the embedding or separate.
+final RMSNorm; LM head tied to the embedding or separate. The families (``ModelConfig.family``)
+differ only where transformers' classes do: Qwen3 has no q/k/v biases and an RMSNorm over each
+query and key head before RoPE (``qk_norm``); Llama 3 has no biases and the "llama3" RoPE
+frequency scaling (``rope_type``).
 
 Precision: parameters are stored in ``param_dtype`` and matmuls run in ``dtype``; attention
 scores and softmax (`mars_jax.attention`), RMSNorm and the rotary tables are fp32.
@@ -42,9 +45,20 @@ REMAT = ("none", "full", "dots")
 ATTENTION = IMPLEMENTATIONS
 
 
+# Model families and what each fixes: (q/k/v biases by default, RMSNorm on query and key heads).
+FAMILIES = {"qwen2": (True, False), "qwen3": (False, True), "llama": (False, False)}
+ROPE_TYPES = ("default", "llama3")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a Qwen2-architecture decoder (names follow transformers' Qwen2Config).
+
+    ``family`` (`FAMILIES`) names the transformers class it converts to and from; within it,
+    ``attention_bias`` (q/k/v biases; Qwen2 always has them) and ``qk_norm`` (Qwen3's per-head
+    RMSNorm of queries and keys). ``rope_type`` "llama3" scales the RoPE frequencies as
+    transformers' llama3 rope does, with ``rope_factor``, ``rope_low_freq_factor``,
+    ``rope_high_freq_factor`` and ``rope_original_max_position_embeddings``.
 
     ``vocab_size`` is the number of embedding rows (151,936 for Qwen2.5-0.5B, 152,064 for 7B),
     which is larger than the tokenizer's 151,666 ids. ``dtype`` is the compute dtype and
@@ -65,6 +79,14 @@ class ModelConfig:
     head_dim: int = 64
     rope_theta: float = 1e6
     max_position_embeddings: int = 32768
+    family: str = "qwen2"
+    attention_bias: bool = True
+    qk_norm: bool = False
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     dtype: str = "float32"
@@ -78,6 +100,10 @@ class ModelConfig:
             raise ValueError(f"model.remat must be one of {REMAT}, got {self.remat!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"model.attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"model.family must be one of {tuple(FAMILIES)}, got {self.family!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"model.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -107,9 +133,31 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables, fp32 [R, T, H], for integer ``positions`` [R, T] (rotate-half layout)."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+def inverse_frequencies(cfg: ModelConfig) -> jax.Array:
+    """fp32 [H/2]: RoPE's inverse frequencies, scaled for ``rope_type`` "llama3" (low frequencies
+    divided by ``rope_factor``, high ones kept, the band between blended), as transformers'
+    llama3 rope computes them."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+    if cfg.rope_type == "default":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_position_embeddings
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, blended, scaled)
+
+
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, inv_freq: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables, fp32 [R, T, H], for integer ``positions`` [R, T] (rotate-half layout);
+    ``inv_freq`` [H/2] (`inverse_frequencies`) replaces plain RoPE's from ``theta``."""
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -142,10 +190,14 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        self.q_proj = _linear(cfg, d, n * h, ("embed", "heads"), True, rngs)
-        self.k_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), True, rngs)
-        self.v_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), True, rngs)
+        bias = cfg.attention_bias
+        self.q_proj = _linear(cfg, d, n * h, ("embed", "heads"), bias, rngs)
+        self.k_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), bias, rngs)
+        self.v_proj = _linear(cfg, d, k * h, ("embed", "kv_heads"), bias, rngs)
         self.o_proj = _linear(cfg, n * h, d, ("heads", "embed"), False, rngs)
+        if cfg.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by every head
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, cfg)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, cfg)
 
     def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
         """x [R, T, D]; mask bool broadcastable to [R, T, S] (a numpy array where the attention
@@ -159,8 +211,11 @@ class Attention(nnx.Module):
         """
         r, t, _ = x.shape
         cfg = self.cfg
-        q = apply_rope(self.q_proj(x).reshape(r, t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q = self.q_proj(x).reshape(r, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim)
         if cache is not None:
             k = write_window(cache["k"], k.astype(cache["k"].dtype), cache_index)
@@ -252,7 +307,8 @@ class Qwen2(nnx.Module):
         Returns:
           (hidden states [R, T, D] after the final norm, in ``dtype``; updated cache or None).
         """
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cfg = self.cfg
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, inverse_frequencies(cfg))
         x = with_logical_constraint(self.embed_tokens(input_ids), ACTIVATION_AXES)
         graphdef, stacked = nnx.split(self.layers)
 

@@ -360,6 +360,15 @@ def _add_control_tokens(
     Returns whether the sources declared ``<|mask|>`` (else it was added here).
     """
     wanted = {int(i): (t["content"], t.get("special", True)) for i, t in declared.items()}
+    qwen = [c for _, c, _ in CONTROL_TOKENS[:3]]
+    known = {c for c, _ in wanted.values()} | {c for c in qwen if tok.token_to_id(c) is not None}
+    if tok.get_vocab_size() < ENDOFTEXT_ID and not known & set(qwen):
+        raise InputError(
+            f"{model_file}: {tok.get_vocab_size()} ids without Qwen's control tokens "
+            f"({', '.join(qwen)}): not a Qwen2 / Qwen3 tokenizer. mars-jax reads chat text with "
+            "Qwen's control tokens; another family's model (Llama 3) trains and decodes from "
+            "token ids through the library (docs/models.md)"
+        )
     mask_id = tok.token_to_id(MASK_TOKEN) or next(
         (i for i, (c, _) in wanted.items() if c == MASK_TOKEN), None
     )

@@ -16,7 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+)
 
 from mars_jax.tokenizer import MASK_ID, MASK_TOKEN, load_tokenizer
 
@@ -99,15 +105,40 @@ TINY = dict(
 )
 
 
-def make_hf_model(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
-    """A random fp32 transformers Qwen2ForCausalLM with O(1)-sized logits.
+# The other model families on TINY's shape: Qwen3 (no q/k/v biases, per-head q/k RMSNorm,
+# head_dim not hidden_size / heads) and Llama 3 (no biases, llama3 RoPE scaling over a short
+# original context, so that test positions reach the scaled band).
+FAMILY_CONFIGS = {
+    "qwen3": (Qwen3Config, dict(head_dim=12, attention_bias=False)),
+    "llama": (
+        LlamaConfig,
+        dict(
+            rope_theta=500.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+}
+
+
+def make_hf_model(seed: int = 0, family: str = "qwen2", **overrides):
+    """A random fp32 transformers causal LM of ``family`` (Qwen2ForCausalLM, or FAMILY_CONFIGS)
+    on TINY's shape, with O(1)-sized logits.
 
     transformers initializes with std 0.02 and zero biases, which would make logits (and any
     comparison of them) nearly trivial; every parameter is perturbed so that biases, norm
     weights and the LM head all matter.
     """
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, **overrides}))
+    config_class, family_fields = FAMILY_CONFIGS.get(family, (Qwen2Config, {}))
+    model = AutoModelForCausalLM.from_config(config_class(**{**TINY, **family_fields, **overrides}))
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -116,7 +147,7 @@ def make_hf_model(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
     return model.eval()
 
 
-def save_hf(path, seed: int = 0, max_shard_size=None, **overrides) -> Qwen2ForCausalLM:
+def save_hf(path, seed: int = 0, max_shard_size=None, **overrides):
     model = make_hf_model(seed, **overrides)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(path), **kwargs)
@@ -152,6 +183,13 @@ def untied_ckpt(tmp_path_factory):
         path, seed=3, tie_word_embeddings=False, head_dim=12, rope_theta=1e6, num_hidden_layers=3
     )
     return path, model
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def family_ckpt(request, tmp_path_factory):
+    """(family, directory, transformers model) of a tiny Qwen3 or Llama 3 checkpoint."""
+    path = tmp_path_factory.mktemp(f"hf_{request.param}")
+    return request.param, path, save_hf(path, seed=21, family=request.param)
 
 
 @pytest.fixture(scope="session")

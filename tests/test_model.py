@@ -342,7 +342,7 @@ def test_shape_mismatch_is_an_error(tied_ckpt, tmp_path):
         ),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "linear"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"model_type": "llama"}, "model_type"),
+        ({"model_type": "gemma2"}, "model_type"),
     ],
 )
 def test_unsupported_configs_are_errors(tied_ckpt, tmp_path, changes, field):

@@ -32,7 +32,7 @@ from mars_jax.objectives import (
     target_positions,
 )
 
-from conftest import TINY
+from conftest import TINY, save_hf
 
 V = TINY["vocab_size"]
 MASK_ID, EOS_ID, PAD_ID = V - 1, V - 2, V - 3
@@ -155,9 +155,19 @@ def reference_ce(model, hidden, labels, normalization, xp=np, row_weights=None):
 
 
 @pytest.fixture(scope="module")
-def models(tied_ckpt, untied_ckpt):
+def hf_models(tied_ckpt, tmp_path_factory):
+    """transformers models: tied Qwen2, Qwen3 and Llama 3 (conftest's FAMILY_CONFIGS)."""
+    out = {"tied": tied_ckpt}
+    for family in ("qwen3", "llama"):
+        path = tmp_path_factory.mktemp(f"objectives_{family}")
+        out[family] = (path, save_hf(path, seed=21, family=family))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(hf_models, untied_ckpt):
     return {
-        "tied": huggingface.load_hf(str(tied_ckpt[0])),
+        **{name: huggingface.load_hf(str(path)) for name, (path, _) in hf_models.items()},
         "untied": huggingface.load_hf(str(untied_ckpt[0])),
     }
 
@@ -167,7 +177,7 @@ SHAPES = [(3, 4), (5, 8), (2, 7), (6, 10), (1, 11)]
 
 
 @pytest.mark.parametrize("block", [2, 4, 8])
-@pytest.mark.parametrize("which", ["tied", "untied"])
+@pytest.mark.parametrize("which", ["tied", "untied", "qwen3", "llama"])
 def test_mars_attention_means_blockwise_denoising(models, which, block):
     model = models[which]
     batch = make_batch(block, block, SHAPES, length=24)
@@ -350,9 +360,10 @@ def test_target_positions():
 
 
 @pytest.mark.parametrize("normalization", ["token", "sequence"])
-def test_ar_loss_equals_transformers_shifted_ce(tied_ckpt, models, normalization):
-    _, hf = tied_ckpt
-    model = models["tied"]
+@pytest.mark.parametrize("which", ["tied", "qwen3", "llama"])
+def test_ar_loss_equals_transformers_shifted_ce(hf_models, models, normalization, which):
+    _, hf = hf_models[which]
+    model = models[which]
     batch = make_batch(5, 4, [(3, 6), (2, 12), (5, 2), (1, 9), (4, 4)], length=24)
     ids = torch.tensor(np.asarray(batch["input_ids"]), dtype=torch.long)
     labels = torch.tensor(np.asarray(batch["labels"]), dtype=torch.long)

@@ -229,3 +229,15 @@ def test_mask_goes_past_the_ids_of_a_qwen3_like_tokenizer(offline, tmp_path, dec
     assert (
         offline.mask_declared is False and T.load_tokenizer(str(tmp_path)).mask_declared == declared
     )
+
+
+def test_a_tokenizer_of_another_family_is_refused_by_name(tmp_path):
+    """A Llama-3-sized BPE without Qwen's control tokens: one message, not an id-gap error."""
+    import tokenizers
+
+    vocab = {f"t{i}": i for i in range(300)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    backend.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"tokenizer\.json: 302 ids without Qwen's control"):
+        T.load_tokenizer(str(tmp_path))
