@@ -38,7 +38,9 @@ from mars_jax.tokenizer import DEFAULT_EOS_IDS, Tokenizer
 class TextStream:
     """An ``on_accept`` callback for `decode.generate` that writes each row's newly committed text
     after every forward: ``write(row, text)``. Tokens from a row's first EOS on are dropped; a
-    chunk that ends inside a multi-byte character is held back until the character is complete.
+    chunk that ends inside a multi-byte character is held back until the character is complete,
+    or until `flush` (after the decode) writes what is left, so that each row's chunks add up
+    to the decoded text of its completion, an incomplete last character included.
     """
 
     def __init__(
@@ -57,11 +59,19 @@ class TextStream:
                     self.ended[r] = True
                     break
                 self.ids[r].append(t)
-            text = self.tok.decode(self.ids[r])
-            if text.endswith("\ufffd") or len(text) <= len(self.shown[r]):
-                continue
-            self.write(r, text[len(self.shown[r]) :])
-            self.shown[r] = text
+            self._show(r, final=False)
+
+    def _show(self, r: int, final: bool) -> None:
+        text = self.tok.decode(self.ids[r])
+        if (text.endswith("\ufffd") and not final) or len(text) <= len(self.shown[r]):
+            return
+        self.write(r, text[len(self.shown[r]) :])
+        self.shown[r] = text
+
+    def flush(self) -> None:
+        """Writes each row's text still held back (a completion that ended inside a character)."""
+        for r in range(len(self.ids)):
+            self._show(r, final=True)
 
 
 def complete(
@@ -111,6 +121,7 @@ def complete(
         )
         for p in prompts
     ]
+    text_stream = None if stream is None else TextStream(tok, len(prompts), eos_ids, stream)
     out = decode.generate(
         model,
         *decode.pad_prompts(ids, tok.pad_id),
@@ -122,8 +133,10 @@ def complete(
         rule=rule,
         mask_id=tok.mask_id,
         eos_ids=eos_ids,
-        on_accept=None if stream is None else TextStream(tok, len(prompts), eos_ids, stream),
+        on_accept=text_stream,
     )
+    if text_stream is not None:
+        text_stream.flush()
     return [
         {
             "prompt": prompt,

@@ -2,6 +2,7 @@
 
 import textwrap
 
+import numpy as np
 import pytest
 
 from mars_jax import generate
@@ -40,3 +41,26 @@ def test_the_cli_prints_the_formatted_text(tmp_path):
     )
     proc = run_python("-c", script)
     assert proc.stdout == generate.format_text(RESULTS) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text", ["Hi \U0001fabf", "ab\U0001fae0c", "\U0001d518\U0001d52b\U0001d526"]
+)
+def test_streamed_chunks_add_up_to_the_completion_text(text):
+    """Whatever prefix of the tokens a completion ends with (EOS or budget mid-character),
+    the chunks written, flush included, equal the decoded text (issue: 'Hi ' against
+    'Hi \\ufffd'). One to three tokens committed per forward."""
+    from mars_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    ids = tok.encode(text)
+    assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(len(ids)))  # split chars
+    for end in range(1, len(ids) + 1):
+        for per_forward in (1, 3):
+            chunks = []
+            stream = generate.TextStream(tok, 1, [tok.eos_id], lambda r, t: chunks.append(t))
+            for start in range(0, end, per_forward):
+                piece = ids[start : min(start + per_forward, end)]
+                stream(np.asarray([piece + [0] * (3 - len(piece))]), np.asarray([len(piece)]))
+            stream.flush()
+            assert "".join(chunks) == tok.decode(ids[:end]), (end, per_forward)
