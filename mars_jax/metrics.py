@@ -8,6 +8,7 @@ metrics.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -90,8 +91,8 @@ class MetricsWriter:
         skipped (1.0: this step's update was skipped), skipped_steps (skips so far),
         learning_rate, tokens_per_s, progress (fraction), eta_s (seconds), ...} of numbers.
 
-        A skipped step's loss may be NaN or infinite: it is written as NaN / Infinity, which is
-        not strict JSON but which Python's json reads back.
+        A skipped step's loss may be NaN or infinite: metrics.jsonl has ``null`` there (strict
+        JSON, which every reader accepts); the log line and TensorBoard keep the value.
         """
         parts = "".join(
             f" {k} {record[k]:.4f}" for k in ("noisy_loss", "clean_loss") if k in record
@@ -111,7 +112,8 @@ class MetricsWriter:
         )
         if self._tensorboard is None:
             return
-        line = json.dumps(record) + "\n"
+        strict = {k: _finite_or_none(v) for k, v in record.items()}
+        line = json.dumps(strict, allow_nan=False) + "\n"
         if self._lines is None:
             self._file.write(line)
             self._file.flush()
@@ -154,3 +156,10 @@ class MetricsWriter:
 def _hms(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _finite_or_none(value):
+    """``value``, or None for a NaN or infinite float (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
