@@ -528,7 +528,8 @@ class Decoder:
         if self.settings.sampling:
 
             def noise(key, position):
-                return jax.random.gumbel(jax.random.fold_in(key, position), logits.shape[-1:])
+                key = jax.random.fold_in(key, position)
+                return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
 
             by_row = jax.vmap(jax.vmap(noise, in_axes=(None, 0)))(s.row_keys, positions)
             logits = logits + jnp.where(s.temperature[:, None, None] > 0, by_row, 0.0)

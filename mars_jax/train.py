@@ -177,8 +177,10 @@ def train(cfg, workdir: str) -> dict:
     config.validate(cfg, training=True)
     distributed.initialize(cfg.distributed)
     # Signals are caught from here on, so that one during the setup stops the run after its
-    # first step; the workdir's run lock, taken in _train, is released on the way out.
-    with contextlib.ExitStack() as stack, Preemption() as preemption:
+    # first step; the workdir's run lock, taken in _train, is released on the way out. Training
+    # runs in 32 bits even where JAX_ENABLE_X64 is set (optax would compute its schedule and
+    # bias corrections in float64: every update a last bit off the same run without it).
+    with contextlib.ExitStack() as stack, Preemption() as preemption, jax.enable_x64(False):
         return _train(cfg, workdir, preemption, stack)
 
 

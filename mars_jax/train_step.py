@@ -107,12 +107,12 @@ def make_train_step(
     def step(params, opt_state, batch):
         micro = micro_batches(batch, grad_accum_steps)
         denominators = jax.vmap(lambda l: loss_denominator(l, obj.normalization))(micro["labels"])
-        weights = denominators / jnp.maximum(denominators.sum(), 1)
+        weights = (denominators / jnp.maximum(denominators.sum(), 1)).astype(jnp.float32)
 
         def body(acc, inputs):
             mb, w = inputs
             g, m = grads_of(params, mb)
-            return jax.tree.map(lambda a, x: a + w * x, acc, (g, m)), None
+            return jax.tree.map(lambda a, x: (a + w * x).astype(a.dtype), acc, (g, m)), None
 
         zeros = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro))
         grads, metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros)

@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mars_jax import objectives, settings, train, train_step
+from mars_jax import generate, objectives, settings, train, train_step
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples
 from mars_jax.model import ModelConfig, Qwen2
@@ -22,7 +22,7 @@ from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import load_rows
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
-from conftest import tiny_config
+from conftest import python_env, run_python, tiny_config
 
 
 def leaf_bytes(tree):
@@ -267,3 +267,39 @@ def test_examples_and_batches_carry_source_row_ids():
     assert batches[0]["row_ids"].dtype == np.int32
     part = batched_dataset(examples, **kw, rows=[1, 3])
     assert [b["row_ids"].tolist() for b in part] == [[1, 4], [-1, -1]]
+
+
+X64_SCRIPT = """
+import json, sys
+sys.path.insert(0, "tests")
+import jax
+from conftest import tiny_config
+from mars_jax import generate, train
+assert jax.config.jax_enable_x64  # JAX_ENABLE_X64=1, as some environments set it
+cfg = tiny_config("mars", model__num_layers=1, train__num_steps=2)
+train.train(cfg, sys.argv[1])
+out = [
+    generate.complete(sys.argv[1], ["What is 2 + 3?"], threshold=0.5, max_new_tokens=6, **kw)
+    for kw in ({}, {"temperature": 0.8})
+]
+print(json.dumps([o[0]["tokens"] for o in out]))
+"""
+
+
+@pytest.mark.subprocess
+def test_jax_enable_x64_trains_and_decodes_the_same(tmp_path):
+    """JAX_ENABLE_X64=1 once failed at the first training step; now a run under it ends with the
+    same parameters, bit for bit, and decodes (greedy and sampled) the same tokens."""
+    x64 = tmp_path / "x64"
+    proc = run_python("-c", X64_SCRIPT, str(x64), env=python_env(JAX_ENABLE_X64="1"))
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain = str(tmp_path / "plain")
+    train.train(tiny_config("mars", model__num_layers=1, train__num_steps=2), plain)
+    ours = [
+        generate.complete(plain, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=6, **kw)[0]
+        for kw in ({}, {"temperature": 0.8})
+    ]
+    assert theirs == [o["tokens"] for o in ours]
+    a, b = (nnx.state(wd.load_model(w)[0]) for w in (str(x64), plain))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
