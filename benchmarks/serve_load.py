@@ -167,6 +167,7 @@ def run_mode(mode, model, tok, block_size, name, work):
         block_size=block_size,
         eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
         mask_id=tok.mask_id,
+        pad_id=tok.pad_id,
         steps_per_call=FLAGS.steps_per_call,
         prefill_chunk=FLAGS.prefill_chunk,
         sampling=False,

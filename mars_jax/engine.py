@@ -155,6 +155,8 @@ class Engine:
       max_prompt_len: the prompt width every request is padded to (longer ones are refused).
       max_new_tokens: the largest budget of one request.
       block_size, cache_mode, rule, eos_ids, mask_id, mesh, axis_rules: as `decode.generate`.
+      pad_id: the id that fills prompt slots and empty rows (the tokenizer's ``pad_id``: a
+        trimmed run's model id); any id of the embedding.
       steps_per_call: forwards per device call (per host turn).
       prefill_chunk: prompt tokens per prefill forward (None: the whole prompt width in one);
         the prompt width is rounded up to a multiple of it.
@@ -174,7 +176,8 @@ class Engine:
         cache_mode: str = "sliding",
         rule: str = "prob",
         eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
-        mask_id: int = MASK_ID,
+        mask_id: int | None = MASK_ID,
+        pad_id: int = ENDOFTEXT_ID,
         steps_per_call: int = 4,
         prefill_chunk: int | None = None,
         sampling: bool = True,
@@ -210,13 +213,16 @@ class Engine:
             ),
         )
         self.slots, self.max_prompt_len = slots, max_prompt_len
+        self.vocab_size, self.pad_id = model.cfg.vocab_size, int(pad_id)
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise InputError(f"pad_id: {pad_id}; not a row of the {self.vocab_size}-row embedding")
         self.prefill_chunk = min(chunk, max_prompt_len)
         self._width = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
         self.max_new_tokens, self.steps_per_call = max_new_tokens, steps_per_call
         self.refill = refill
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self._insert, self._retire = _insert, _retire  # jitted once for every engine
-        empty = self._begin([Request((ENDOFTEXT_ID,), 1)] * slots)
+        empty = self._begin([Request((self.pad_id,), 1)] * slots)
         self.state = self._retire(empty, jnp.ones((slots,), bool))
         self._streams: list[Stream | None] = [None] * slots  # decoding
         self._prefills: dict[int, _Prefill] = {}  # slot -> a request being prefilled into it
@@ -234,6 +240,11 @@ class Engine:
         n = len(request.prompt_ids)
         if not 1 <= n <= self.max_prompt_len:
             raise InputError(f"prompt: {n} tokens; this engine takes 1 to {self.max_prompt_len}")
+        if not all(0 <= t < self.vocab_size for t in request.prompt_ids):
+            bad = next(t for t in request.prompt_ids if not 0 <= t < self.vocab_size)
+            raise InputError(
+                f"prompt: token id {bad} is not a row of the model's {self.vocab_size}"
+            )
         if not 1 <= request.max_tokens <= self.max_new_tokens:
             raise InputError(
                 f"max_tokens: {request.max_tokens}; this engine takes 1 to {self.max_new_tokens}"
@@ -275,7 +286,7 @@ class Engine:
     # -- the host loop ---------------------------------------------------------------------------
     def _begin(self, requests: Sequence[Request]) -> DecodeState:
         rows, width = len(requests), self._width
-        ids = np.full((rows, width), ENDOFTEXT_ID, np.int32)
+        ids = np.full((rows, width), self.pad_id, np.int32)
         for r, q in enumerate(requests):
             ids[r, : len(q.prompt_ids)] = q.prompt_ids
         return self.decoder.begin(
@@ -316,7 +327,7 @@ class Engine:
             if p.state.cache is None:  # cache_mode "none": each forward reads the prompt
                 p.done = len(p.stream.request.prompt_ids)
             else:
-                chunk = np.full((1, c), ENDOFTEXT_ID, np.int32)
+                chunk = np.full((1, c), self.pad_id, np.int32)
                 piece = p.stream.request.prompt_ids[p.done : p.done + c]
                 chunk[0, : len(piece)] = piece
                 p.state = self.decoder.prefill_chunk(

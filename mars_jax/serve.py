@@ -442,6 +442,7 @@ def make_server(
         block_size=block_size,
         eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
         mask_id=tok.mask_id,
+        pad_id=tok.pad_id,
         steps_per_call=steps_per_call,
         prefill_chunk=prefill_chunk,
         mesh=mesh,

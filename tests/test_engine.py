@@ -3,15 +3,19 @@ its prompt alone with its settings, whatever else is in flight and whenever it w
 (staggered arrivals, more requests than slots, mixed thresholds, budgets, temperatures and
 seeds), and a cancelled request frees its slot for the next one."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from mars_jax import decode, engine
 from mars_jax.errors import InputError
+from mars_jax.model import Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
-from decode_oracles import make_batch, make_model
+from decode_oracles import CFG, make_batch, make_model
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 3, 12, 16
 
@@ -224,3 +228,37 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model):
         pass
     for request, stream in zip(reqs, streams):
         assert stream.result(timeout=1)[0] == alone(model, request), request
+
+
+def test_a_trimmed_vocabulary_pads_with_its_own_id():
+    """A model of 128 embedding rows (a trimmed run's): the engine pads prompts and empty rows
+    with the tokenizer's pad id, never Qwen's 151643 (no row: the gather gave NaN keys, and
+    every completion turned to garbage), and refuses ids outside the embedding by field."""
+    small = Qwen2(dataclasses.replace(CFG, vocab_size=128), rngs=nnx.Rngs(3))
+    small.norm.weight[...] = small.norm.weight[...] * 300.0
+    kw = dict(slots=2, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, eos_ids=(1,))
+    eng = engine.Engine(small, pad_id=0, mask_id=127, prefill_chunk=5, **kw)
+    rng = np.random.default_rng(4)
+    reqs = [
+        engine.Request(tuple(rng.integers(2, 127, size=n).tolist()), MAX_NEW, threshold=t)
+        for n, t in [(7, 0.9), (12, 1.0), (3, 0.5)]
+    ]
+    streams = [eng.submit(r) for r in reqs]
+    while eng.run_once():
+        pass
+    for request, stream in zip(reqs, streams):
+        out = decode.generate(
+            small,
+            np.asarray([request.prompt_ids], np.int32),
+            np.asarray([len(request.prompt_ids)], np.int32),
+            block_size=B,
+            threshold=request.threshold,
+            max_new_tokens=MAX_NEW,
+            eos_ids=(1,),
+            mask_id=127,
+        )
+        assert stream.result(timeout=1)[0] == [t for t in out.completions()[0] if t != 1]
+    with pytest.raises(InputError, match="^prompt: token id 151643 is not a row"):
+        eng.submit(engine.Request((5, 151643), 4))
+    with pytest.raises(InputError, match="^pad_id: 151643"):
+        engine.Engine(small, pad_id=151643, mask_id=127, **kw)
