@@ -235,7 +235,7 @@ def build_subjects(
                     prompts,
                     block_size=sources.block_size(workdir),
                     max_new_tokens=max_new_tokens,
-                    eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
+                    eos_ids=vocab.stop_ids(tok),
                     pad_id=tok.pad_id,
                     mask_id=tok.mask_id,
                     min_prompts=num_prompts,

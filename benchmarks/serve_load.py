@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mars_jax import engine, serve, sources, vocab  # noqa: E402
 from mars_jax.rows import read_rows  # noqa: E402
 from mars_jax.synthetic import arithmetic_problems  # noqa: E402
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, load_tokenizer  # noqa: E402
+from mars_jax.tokenizer import load_tokenizer  # noqa: E402
 
 MODES = ("continuous", "static", "ar")
 FLAGS = flags.FLAGS
@@ -165,7 +165,7 @@ def run_mode(mode, model, tok, block_size, name, work):
         max_prompt_len=FLAGS.max_prompt_len,
         max_new_tokens=FLAGS.max_tokens,
         block_size=block_size,
-        eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
+        eos_ids=vocab.stop_ids(tok),
         mask_id=tok.mask_id,
         pad_id=tok.pad_id,
         steps_per_call=FLAGS.steps_per_call,

@@ -70,11 +70,12 @@ def _json_text(value, reason: str) -> str:
         raise SkipRow(reason) from None
 
 
-def _check_text(text: str) -> None:
-    """SkipRow("special_token_in_content") for a control-token string in `text`;
+def _check_text(text: str, forbidden: tuple[str, ...] = _SPECIAL_STRINGS) -> None:
+    """SkipRow("special_token_in_content") for a control-token string (`forbidden`: the
+    tokenizer's `control_strings`, Qwen's by default) in `text`;
     SkipRow("lone_surrogate") for an unpaired UTF-16 surrogate (a JSON escape such as "\\ud800"
     without its pair), which is no Unicode text and cannot be tokenized."""
-    if any(t in text for t in _SPECIAL_STRINGS):
+    if any(t in text for t in forbidden):
         raise SkipRow("special_token_in_content")
     if _SURROGATE.search(text):
         raise SkipRow("lone_surrogate")
@@ -117,7 +118,7 @@ def _checked_tool_call(call) -> dict:
     return {**call, "function": function} if "function" in call else function
 
 
-def _checked_tools(tools) -> list[dict] | None:
+def _checked_tools(tools, forbidden: tuple[str, ...] = _SPECIAL_STRINGS) -> list[dict] | None:
     """The row-level `tools`: a list of JSON objects (or a string holding one), None if absent or
     empty. Raises SkipRow("bad_tools") or SkipRow("special_token_in_content")."""
     if isinstance(tools, str):
@@ -129,11 +130,11 @@ def _checked_tools(tools) -> list[dict] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise SkipRow("bad_tools")
-    _check_text(_json_text(tools, "bad_tools"))
+    _check_text(_json_text(tools, "bad_tools"), forbidden)
     return tools
 
 
-def _checked_message(m) -> dict:
+def _checked_message(m, forbidden: tuple[str, ...] = _SPECIAL_STRINGS) -> dict:
     """A copy of one message with role, content and the tool-use fields that are set (see
     `tokenize_chat`); an assistant message with tool calls may lack content (None -> "")."""
     if not isinstance(m, dict) or "role" not in m:
@@ -143,7 +144,7 @@ def _checked_message(m) -> dict:
         if m["role"] != "assistant" or not isinstance(calls, list):
             raise SkipRow("bad_tool_calls")
         calls = [_checked_tool_call(c) for c in calls]
-        _check_text(_json_text(calls, "bad_tool_calls"))
+        _check_text(_json_text(calls, "bad_tool_calls"), forbidden)
     if "content" not in m and calls is None:
         raise SkipRow("missing_field")
     content = m.get("content")
@@ -155,14 +156,16 @@ def _checked_message(m) -> dict:
     if not isinstance(m["role"], str) or not all(isinstance(t, str) for t in texts.values()):
         raise SkipRow("non_string_content")
     for text in (m["role"], *texts.values()):
-        _check_text(text)
+        _check_text(text, forbidden)
     return {"role": m["role"], **texts, **({"tool_calls": calls} if calls else {})}
 
 
-def checked_messages(messages: list) -> tuple[list[dict], int]:
+def checked_messages(
+    messages: list, forbidden: tuple[str, ...] = _SPECIAL_STRINGS
+) -> tuple[list[dict], int]:
     """Validates messages; returns copies of them (see `_checked_message`) and the index of the
     final assistant turn. Raises SkipRow with the reason of the first problem found."""
-    clean = [_checked_message(m) for m in messages]
+    clean = [_checked_message(m, forbidden) for m in messages]
     unanswered = []  # ids (None: no id) of the calls that the following tool messages answer
     for m in clean:
         if m["role"] != "tool":
@@ -213,8 +216,9 @@ def chat_segments(
     `messages[:k]` with the generation prompt, which must be a prefix of the full rendering; its
     labelled piece runs from there through the next `<|im_end|>`, and must hold more than
     whitespace (else SkipRow("empty_answer"))."""
-    messages, last = checked_messages(messages)
-    tools = _checked_tools(tools)
+    forbidden = tuple(getattr(tokenizer, "control_strings", None) or _SPECIAL_STRINGS)
+    messages, last = checked_messages(messages, forbidden)
+    tools = _checked_tools(tools, forbidden)
     messages = messages[: last + 1]
     full = tokenizer.render_chat(messages, tools=tools)
     _check_tool_use_rendered(tokenizer, messages, tools, full)

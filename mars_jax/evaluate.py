@@ -43,7 +43,6 @@ from mars_jax.batches import batched_dataset, build_examples, eval_examples, eva
 from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.grading import accuracy, extract_answer
 from mars_jax.objectives import ar_loss
-from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
 # Wall-clock measurements, in a result row or at the top of a report: they differ between two
 # evaluations of the same checkpoint.
@@ -185,7 +184,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             rule=e.rule,
             seed=cfg.seed,
             mask_id=tok.mask_id,
-            eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
+            eos_ids=vocab.stop_ids(tok),
         )
 
     timed = {}  # (block size, threshold) -> (DecodeOutput, best seconds)

@@ -32,7 +32,7 @@ from absl import flags
 from mars_jax import cli, config, decode, sources, vocab
 from mars_jax.errors import InputError
 from mars_jax.rows import read_rows
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, Tokenizer
+from mars_jax.tokenizer import Tokenizer
 
 
 class TextStream:
@@ -113,7 +113,7 @@ def complete(
     block_size = sources.block_size(workdir, block_size)
     model, tok, _ = sources.load_model(workdir, step=step)
     sources.check_mask(tok, block_size, workdir)
-    eos_ids = vocab.model_ids(tok, DEFAULT_EOS_IDS)
+    eos_ids = vocab.stop_ids(tok)
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
         tok.apply_chat_template(

@@ -35,7 +35,6 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from mars_jax import config, decode, sources, vocab
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
-from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
 # Under lm_eval's logger, which its CLI shows at INFO (it leaves other loggers alone).
 log = logging.getLogger("lm_eval.models.mars_jax")
@@ -123,7 +122,7 @@ class MarsLM(TemplateLM):
             cache_mode=cache_mode,
             rule=rule,
             mask_id=self.tokenizer.mask_id,
-            eos_ids=vocab.model_ids(self.tokenizer, DEFAULT_EOS_IDS),  # a trimmed run's ids
+            eos_ids=vocab.stop_ids(self.tokenizer),  # a trimmed run's ids
         )
         self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
         self.accepted = self.forwards = 0

@@ -35,7 +35,6 @@ from aiohttp import web
 
 from mars_jax import cli, engine, sharding, sources, vocab
 from mars_jax.errors import InputError
-from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
 # Fields of OpenAI's requests that are accepted and ignored (at their neutral values).
 _IGNORED = {
@@ -211,7 +210,8 @@ class Server:
             if not isinstance(content, str):
                 raise RequestError(f"{where}.content must be a string", where)
             self._check_length(content, f"{where}.content")
-            for token in CONTROL:  # a control token in a message would forge turns
+            control = getattr(self.tok, "control_strings", None) or CONTROL
+            for token in control:  # a control token in a message would forge turns
                 if token in content:
                     raise RequestError(
                         f"{where}.content contains the control token {token}", f"{where}.content"
@@ -440,7 +440,7 @@ def make_server(
         max_prompt_len=max_prompt_len,
         max_new_tokens=max_new_tokens,
         block_size=block_size,
-        eos_ids=vocab.model_ids(tok, DEFAULT_EOS_IDS),
+        eos_ids=vocab.stop_ids(tok),
         mask_id=tok.mask_id,
         pad_id=tok.pad_id,
         steps_per_call=steps_per_call,

@@ -117,13 +117,18 @@ class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
 
 class Tokenizer:
-    """A Qwen2/Qwen2.5 tokenizer: ``tokenizers`` BPE plus a compiled Jinja chat template.
+    """A Qwen2/Qwen2.5 (or another family's) tokenizer: ``tokenizers`` BPE plus a compiled Jinja
+    chat template.
 
     Build it with :func:`load_tokenizer`. Attributes: ``chat_template`` (str, the Jinja source),
-    ``pad_id`` and ``bos_id`` (151643, ``<|endoftext|>``), ``eos_id`` (151645, ``<|im_end|>``) and
-    ``mask_id`` (the id of ``<|mask|>``, 151665 unless the source placed it elsewhere or that
-    id is another token's) and ``mask_declared`` (whether the tokenizer files declared
-    ``<|mask|>``, as MARS checkpoints' do; False where `load_tokenizer` added it).
+    ``pad_id`` and ``bos_id`` (151643, ``<|endoftext|>``), ``eos_id`` (151645, ``<|im_end|>``:
+    the end of a turn, labelled and used as padding in training), ``eos_ids`` (the ids that end
+    a completion: `DEFAULT_EOS_IDS`), ``mask_id`` (the id of ``<|mask|>``, 151665 unless the
+    source placed it elsewhere or that id is another token's), ``mask_declared`` (whether the
+    tokenizer files declared ``<|mask|>``, as MARS checkpoints' do; False where
+    `load_tokenizer` added it) and ``control_strings`` (the texts of its special tokens: in a
+    message's content they would forge markup). Another family's tokenizer (Llama 3) has its
+    own values, read from its files (`load_tokenizer`); ``family`` is "qwen" or "other".
 
     Args:
         backend: a ``tokenizers.Tokenizer`` that already holds the control tokens and ``<|mask|>``.
@@ -138,7 +143,9 @@ class Tokenizer:
     pad_id = ENDOFTEXT_ID
     bos_id = ENDOFTEXT_ID
     eos_id = IM_END_ID
+    eos_ids = DEFAULT_EOS_IDS
     mask_declared = False
+    family = "qwen"
 
     def __init__(
         self,
@@ -150,6 +157,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.template_source = template_source
         self.mask_id = backend.token_to_id(MASK_TOKEN)
+        self.control_strings = tuple(
+            t.content for t in backend.get_added_tokens_decoder().values() if t.special
+        )
         env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
         env.filters["tojson"] = _tojson
@@ -249,10 +259,12 @@ class Tokenizer:
             for i, t in sorted(self._tok.get_added_tokens_decoder().items())
         }
         config = {
-            "tokenizer_class": "Qwen2Tokenizer",
+            "tokenizer_class": (
+                "Qwen2Tokenizer" if self.family == "qwen" else "PreTrainedTokenizerFast"
+            ),
             "add_prefix_space": False,
             "added_tokens_decoder": added,
-            "bos_token": None,
+            "bos_token": None if self.family == "qwen" else self._tok.id_to_token(self.bos_id),
             "eos_token": self._tok.id_to_token(self.eos_id),
             "pad_token": self._tok.id_to_token(self.pad_id),
             "mask_token": self._tok.id_to_token(self.mask_id),
@@ -266,6 +278,9 @@ class Tokenizer:
         (out / "tokenizer_config.json").write_text(
             json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         )
+        if self.family != "qwen":  # the stop ids, where load_tokenizer reads them
+            stops = {"eos_token_id": [int(i) for i in self.eos_ids]}
+            (out / "generation_config.json").write_text(json.dumps(stops, indent=2) + "\n")
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -360,15 +375,6 @@ def _add_control_tokens(
     Returns whether the sources declared ``<|mask|>`` (else it was added here).
     """
     wanted = {int(i): (t["content"], t.get("special", True)) for i, t in declared.items()}
-    qwen = [c for _, c, _ in CONTROL_TOKENS[:3]]
-    known = {c for c, _ in wanted.values()} | {c for c in qwen if tok.token_to_id(c) is not None}
-    if tok.get_vocab_size() < ENDOFTEXT_ID and not known & set(qwen):
-        raise InputError(
-            f"{model_file}: {tok.get_vocab_size()} ids without Qwen's control tokens "
-            f"({', '.join(qwen)}): not a Qwen2 / Qwen3 tokenizer. mars-jax reads chat text with "
-            "Qwen's control tokens; another family's model (Llama 3) trains and decodes from "
-            "token ids through the library (docs/models.md)"
-        )
     mask_id = tok.token_to_id(MASK_TOKEN) or next(
         (i for i, (c, _) in wanted.items() if c == MASK_TOKEN), None
     )
@@ -405,6 +411,76 @@ def _add_control_tokens(
     return mask_declared
 
 
+def _is_qwen(tok: tokenizers.Tokenizer, config: dict) -> bool:
+    """Whether a tokenizer is Qwen's: it has (or declares) one of Qwen's first control tokens,
+    or as many ids as Qwen2's vocab.json (whose control tokens `_add_control_tokens` adds)."""
+    first = [c for _, c, _ in CONTROL_TOKENS[:3]]
+    declared = {t.get("content") for t in config.get("added_tokens_decoder", {}).values()}
+    present = any(tok.token_to_id(c) is not None for c in first)
+    return present or bool(declared & set(first)) or tok.get_vocab_size() >= ENDOFTEXT_ID
+
+
+def _token_text(value) -> str | None:
+    """A tokenizer_config.json token field's text: a string, or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _other_family(root: Path, tok, config: dict, model_file, config_file) -> "Tokenizer":
+    """The `Tokenizer` of another family's files (Llama 3): its control tokens read, none of
+    Qwen's added. eos_token (required) is the end of a turn; the stop ids are it and
+    generation_config.json's eos_token_id; bos_token and pad_token where given, else the EOS.
+    The mask is ``mask_token`` where given (any token: a reserved one, so that it has an
+    embedding row), else ``<|mask|>``, added past every id when absent (it then needs an
+    embedding row the model may not have: `train` checks)."""
+
+    def id_of(field: str, required: bool) -> int | None:
+        text = _token_text(config.get(field))
+        if text is None:
+            if required:
+                raise InputError(f"{config_file}: no {field}: the end of a turn must be named")
+            return None
+        token_id = tok.token_to_id(text)
+        if token_id is None:
+            raise InputError(f"{config_file}: {field} {text!r} is not a token of {model_file}")
+        return token_id
+
+    eos = id_of("eos_token", True)
+    bos, pad, mask = (
+        id_of("bos_token", False),
+        id_of("pad_token", False),
+        id_of("mask_token", False),
+    )
+    declared = mask is not None or tok.token_to_id(MASK_TOKEN) is not None
+    if mask is None:
+        if tok.token_to_id(MASK_TOKEN) is None:
+            tok.add_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
+        mask = tok.token_to_id(MASK_TOKEN)
+    stops = [eos]
+    generation = root / "generation_config.json"
+    if generation.exists():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+        for token_id in [value] if isinstance(value, int) else value or []:
+            if tok.id_to_token(int(token_id)) is None:
+                raise InputError(
+                    f"{generation}: eos_token_id {token_id} is not a token of {model_file}"
+                )
+            stops += [] if int(token_id) in stops else [int(token_id)]
+    if (root / "chat_template.jinja").exists():
+        source = root / "chat_template.jinja"
+        template = source.read_text()
+    elif config.get("chat_template"):
+        source, template = config_file, config["chat_template"]
+    else:
+        raise InputError(f"{config_file}: no chat_template (nor chat_template.jinja)")
+    out = Tokenizer(tok, template, str(source))
+    out.family, out.eos_id, out.eos_ids = "other", eos, tuple(stops)
+    out.bos_id = eos if bos is None else bos
+    out.pad_id = eos if pad is None else pad
+    out.mask_id, out.mask_declared = mask, declared
+    out.control_strings = tuple(dict.fromkeys([*out.control_strings, tok.id_to_token(mask)]))
+    return out
+
+
 # The files `load_tokenizer` reads from a directory (a gs:// one is copied for them alone).
 TOKENIZER_FILES = [
     "tokenizer.json",
@@ -412,6 +488,7 @@ TOKENIZER_FILES = [
     "merges.txt",
     "tokenizer_config.json",
     "chat_template.jinja",
+    "generation_config.json",
 ]
 
 
@@ -465,6 +542,8 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         raise NotFound(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
     config_file = root / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if not _is_qwen(tok, config):
+        return _other_family(root, tok, config, model_file, config_file)
     if "auto_map" in config:
         logging.warning(
             "%s: auto_map %s names custom tokenizer code; it is not run (the tokenizer is "

@@ -53,7 +53,7 @@ from mars_jax import (
 )
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.checkpoints import Checkpoints, TrainState
-from mars_jax.errors import SettingError
+from mars_jax.errors import InputError, SettingError
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
 from mars_jax.objectives import IGNORE_INDEX
@@ -106,6 +106,23 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
     return huggingface.load_hf_sharded(cfg.init_from, model_cfg, abstract)
 
 
+def check_token_rows(tok, rows: int, source: str) -> None:
+    """Raises InputError when the tokenizer's pad, EOS or mask id has no row in the model's
+    ``rows``-row embedding (a gather past it reads NaN, silently): e.g. a Llama 3 tokenizer,
+    whose vocabulary fills its embedding, with ``<|mask|>`` added past it."""
+    for name, token_id in (("eos_token", tok.eos_id), ("pad_token", tok.pad_id)):
+        if not 0 <= token_id < rows:
+            raise InputError(
+                f"{source}: {name} id {token_id} has no row in the {rows}-row embedding"
+            )
+    if not 0 <= tok.mask_id < rows:
+        raise InputError(
+            f"{source}: <|mask|> id {tok.mask_id} has no row in the model's {rows}-row embedding; "
+            "name an unused token that has one as mask_token in tokenizer_config.json (for "
+            "Llama 3, one of its <|reserved_special_token_N|>)"
+        )
+
+
 def load_train_examples(cfg, tok):
     """Tokenized training examples of ``cfg.data`` (see `mars_jax.batches`)."""
     d = cfg.data
@@ -150,7 +167,13 @@ def build_vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     evaluation, _ = build_examples(
         rows, tok, "messages", max_length=2**30, block_size=1, source_name=f"{source} (vocab)"
     )
-    return vocab.build((e.input_ids for e in examples + evaluation), tok.mask_id, len(tok))
+    control = (
+        {}
+        if tok.family == "qwen"
+        else {"control_ids": sorted({tok.pad_id, tok.bos_id, tok.eos_id, *tok.eos_ids})}
+    )
+    ids = (e.input_ids for e in examples + evaluation)
+    return vocab.build(ids, tok.mask_id, len(tok), **control)
 
 
 def train(cfg, workdir: str) -> dict:
@@ -202,6 +225,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         tok = vocab.MappedTokenizer(tok, vocab_map)
         model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab_map))
         logging.info("trimmed vocabulary: %d rows", len(vocab_map))
+    check_token_rows(tok, model_cfg.vocab_size, tokenizer_source(cfg) or "the Qwen2.5 tokenizer")
     t = cfg.train
     if len(examples) < t.batch_size:
         raise SettingError(

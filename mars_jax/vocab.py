@@ -117,14 +117,20 @@ class VocabMap:
             raise InputError(f"{path}: not a vocabulary map ({e})") from None
 
 
-def build(token_ids: Iterable[np.ndarray], mask_id: int, vocab_size: int) -> VocabMap:
+def build(
+    token_ids: Iterable[np.ndarray],
+    mask_id: int,
+    vocab_size: int,
+    control_ids: Sequence[int] = (ENDOFTEXT_ID, IM_START_ID, IM_END_ID),
+) -> VocabMap:
     """The map of a trimmed run: the ids in ``token_ids`` (arrays of Qwen ids, e.g. every
-    example's input_ids), the control ids and ``mask_id``, plus the lowest absent ids as filler
-    up to a multiple of `ROW_MULTIPLE` (at most ``vocab_size``, the full vocabulary's rows).
+    example's input_ids), the ``control_ids`` (default Qwen's; another tokenizer's pad, BOS and
+    stop ids) and ``mask_id``, plus the lowest absent ids as filler up to a multiple of
+    `ROW_MULTIPLE` (at most ``vocab_size``, the full vocabulary's rows).
 
     Raises ValueError for an id outside [0, vocab_size).
     """
-    control = np.array([ENDOFTEXT_ID, IM_START_ID, IM_END_ID, mask_id])
+    control = np.array([*control_ids, mask_id])
     kept = np.unique(np.concatenate([control, *(np.ravel(t) for t in token_ids)]))
     if kept[0] < 0 or kept[-1] >= vocab_size:
         raise InputError(f"token ids {kept[0]}..{kept[-1]} lie outside [0, {vocab_size})")
@@ -148,6 +154,7 @@ class MappedTokenizer:
         self.qwen, self.vocab = tok, vocab
         self.chat_template = tok.chat_template
         self.render_chat, self.save = tok.render_chat, tok.save
+        self.control_strings, self.family = tok.control_strings, tok.family
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = (
             int(i) for i in vocab.to_model([tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id])
         )
@@ -182,6 +189,13 @@ class MappedTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=False, tools=None) -> list[int]:
         """Model ids of the rendered chat (see `Tokenizer.apply_chat_template`)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+
+def stop_ids(tok) -> list[int]:
+    """The ids that end a completion (the tokenizer's ``eos_ids``) in ``tok``'s id space."""
+    if isinstance(tok, MappedTokenizer):
+        return tok.vocab.to_model(list(tok.qwen.eos_ids)).tolist()
+    return [int(i) for i in tok.eos_ids]
 
 
 def model_ids(tok, qwen_ids: Sequence[int]) -> list[int]:

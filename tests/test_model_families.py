@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from mars_jax import decode, generate, huggingface, train
 from mars_jax import workdir as wd
@@ -19,7 +19,7 @@ from mars_jax.errors import InputError
 from mars_jax.model import ModelConfig, inverse_frequencies
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
-from conftest import TINY, hf_logits
+from conftest import FAMILY_CONFIGS, TINY, hf_logits
 from test_model import our_logits, right_padded_batch
 from train_runs import get_config
 
@@ -213,3 +213,118 @@ def test_qwen3_trains_ar_then_mars_and_decodes(tmp_path):
     assert np.isfinite(last["loss"]) and last["noisy_loss"] > 0
     out = generate.complete(mars, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=6)
     assert 1 <= len(out[0]["tokens"]) <= 6
+
+
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+    "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def write_llama3_directory(path, *, mask_token: bool = True):
+    """A tiny Llama 3 laid out as a release is: a byte-level BPE (the 256 bytes, then Llama 3's
+    special tokens at 256-261, its vocabulary filling the 262-row embedding), the eos_token
+    <|eot_id|>, stop ids in generation_config.json, a Llama 3 style chat template; with
+    ``mask_token``, tokenizer_config.json names a reserved token as the mask."""
+    import tokenizers
+
+    from mars_jax.tokenizer import _bpe_model, _byte_to_unicode
+
+    backend = _bpe_model({c: b for b, c in _byte_to_unicode().items()}, [])
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS]
+    )
+    path.mkdir(parents=True)
+    backend.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    config["chat_template"] = LLAMA3_TEMPLATE
+    if mask_token:
+        config["mask_token"] = "<|reserved_special_token_0|>"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(1)
+    llama_cls, fields = FAMILY_CONFIGS["llama"]
+    hf = AutoModelForCausalLM.from_config(
+        llama_cls(**{**TINY, **fields, "vocab_size": 262, "num_hidden_layers": 1})
+    )
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape) * 0.15)
+    hf.eval().save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 261]}))
+    return hf
+
+
+def test_llama3_from_text_reads_its_own_control_tokens(tmp_path):
+    write_llama3_directory(tmp_path / "llama")
+    tok = load_tokenizer(str(tmp_path / "llama"))
+    assert (tok.family, tok.bos_id, tok.eos_id, tok.eos_ids, tok.pad_id) == (
+        "other",
+        256,
+        261,
+        (261, 257),
+        261,
+    )
+    assert (tok.mask_id, tok.mask_declared) == (258, True)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "llama")).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert tok.apply_chat_template(messages, add_generation_prompt=True) == list(theirs)
+    assert "<|eot_id|>" in tok.control_strings and "<|im_end|>" not in tok.control_strings
+    # Saved (as a run saves it) and read back: the same ids.
+    tok.save(str(tmp_path / "saved"))
+    again = load_tokenizer(str(tmp_path / "saved"))
+    assert (again.eos_ids, again.mask_id, again.bos_id, again.family) == (
+        (261, 257),
+        258,
+        256,
+        "other",
+    )
+
+
+def test_llama3_trains_ar_then_mars_from_text_and_decodes(tmp_path):
+    """Stage 1 at learning rate 0 decodes transformers' greedy tokens, stopping at <|eot_id|>;
+    stage 2 trains MARS with the reserved mask token; without a mask_token, <|mask|> would need
+    row 262 of a 262-row embedding, and training stops naming the fix."""
+    hf = write_llama3_directory(tmp_path / "llama")
+    data = dict(data__max_length=512, train__batch_size=2, data__num_synthetic_train=8)
+    ar = str(tmp_path / "ar")
+    cfg = get_config("ar", init_from=str(tmp_path / "llama"), train__learning_rate=0.0, **data)
+    train.train(cfg, ar)
+    out = generate.complete(ar, ["What is 2 + 3?"], threshold=1.0, max_new_tokens=12)
+    tok = load_tokenizer(str(tmp_path / "llama"))
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True
+    )
+    theirs = hf.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=[261, 257],
+        pad_token_id=261,
+    )[0, len(ids) :].tolist()
+    stops = [i for i, t in enumerate(theirs) if t in (261, 257)]
+    assert out[0]["tokens"] == (theirs[: stops[0]] if stops else theirs)
+    assert len(out[0]["tokens"]) >= 3  # a real completion, not an immediate stop
+    mars = str(tmp_path / "mars")
+    last = train.train(get_config("mars", init_from=ar, train__num_steps=2, **data), mars)
+    assert np.isfinite(last["loss"]) and last["noisy_loss"] > 0
+    assert wd.load_model(mars)[1].mask_id == 258
+    out = generate.complete(mars, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=8)
+    assert 0 <= len(out[0]["tokens"]) <= 8
+
+    write_llama3_directory(tmp_path / "no_mask", mask_token=False)
+    with pytest.raises(InputError, match=r"<\|mask\|> id 262 has no row .* mask_token"):
+        train.train(
+            get_config("ar", init_from=str(tmp_path / "no_mask"), **data), str(tmp_path / "x")
+        )

@@ -231,13 +231,18 @@ def test_mask_goes_past_the_ids_of_a_qwen3_like_tokenizer(offline, tmp_path, dec
     )
 
 
-def test_a_tokenizer_of_another_family_is_refused_by_name(tmp_path):
-    """A Llama-3-sized BPE without Qwen's control tokens: one message, not an id-gap error."""
+def test_another_familys_tokenizer_must_name_its_end_of_turn(tmp_path):
+    """A BPE without Qwen's control tokens is read as another family's (Llama 3:
+    tests/test_model_families.py), with its own control tokens; without an eos_token in
+    tokenizer_config.json it is refused by file and field, not read with Qwen's ids."""
     import tokenizers
 
     vocab = {f"t{i}": i for i in range(300)}
     backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     backend.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>"])
     backend.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(ValueError, match=r"tokenizer\.json: 302 ids without Qwen's control"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: no eos_token"):
+        T.load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(ValueError, match=r"eos_token '<\|nope\|>' is not a token"):
         T.load_tokenizer(str(tmp_path))
