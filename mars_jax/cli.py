@@ -178,6 +178,10 @@ def run(main: Callable[[], None]) -> None:
         platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
         try:
             main()
+        except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+            raise SystemExit(130) from None
         except Exception as e:  # re-raised unless it is the user's
             if (failed := _storage_unavailable(e)) is not None:
                 # A failed checkpoint write leaves Orbax threads that wait minutes for signals

@@ -130,6 +130,10 @@ def defaults(stage: str = "ar") -> ml_collections.ConfigDict:
                 # naming the step and file; True: warn, move it to corrupt_checkpoints/ and resume
                 # from the previous checkpoint instead.
                 "restore_fallback": False,
+                # init_from a run that has not reached its final step (stopped early) is an error,
+                # as is resuming a run whose init_from run has moved on since it started; True
+                # allows both.
+                "allow_partial_init": False,
                 # A step with a non-finite loss or gradient norm is skipped (no update) and logged
                 # with its data rows; this many skips in a row stop the run (0: never). A skip
                 # leaves the state as it was and the next step reads the next batch, so 10

@@ -15,8 +15,11 @@ directory or from the latest checkpoint of another run's workdir (stage 2 from s
 
 Preemption: SIGTERM (a TPU VM's or a scheduler's notice) or SIGINT (Ctrl-C) stops the run after
 the step in progress: it saves that step (as a regular save), waits for the write, logs which
-step it saved and returns (the program exits 0); the same command resumes it. A second signal
-exits at once. In a multi-process run, SIGTERM goes through JAX's preemption sync service so
+step it saved and returns (the program exits 0 after SIGTERM, 130 after Ctrl-C, so that a
+pipeline such as launch/two_stage.sh stops); the same command resumes it. A second signal
+exits at once. A run that reached its final step is marked complete (`workdir.mark_complete`);
+stage 2 refuses an ``init_from`` run that is not, and a resumed stage 2 whose ``init_from``
+run moved on since it started (`check_init_from`, unless ``train.allow_partial_init``). In a multi-process run, SIGTERM goes through JAX's preemption sync service so
 that all processes stop and save at the same step (see `Preemption`). This module holds the run
 loop; the jitted step is `mars_jax.train_step`, the run directory `mars_jax.workdir`.
 """
@@ -85,6 +88,31 @@ def tokenizer_source(cfg) -> str | None:
     if cfg.init_from and wd.is_workdir(cfg.init_from):
         return storage.join(cfg.init_from, "tokenizer")
     return cfg.init_from or None
+
+
+def check_init_from(cfg, workdir: str) -> None:
+    """Raises InputError (unless ``train.allow_partial_init``) when ``init_from`` is a run that
+    has not reached its final step (a stage 1 stopped early), or when ``workdir`` resumes a run
+    initialised from another step of ``init_from`` than the one it holds now (stage 1 went on
+    after this stage 2 started from it)."""
+    if not (cfg.init_from and wd.is_workdir(cfg.init_from)) or cfg.train.allow_partial_init:
+        return
+    allow = "set train.allow_partial_init=True to go on anyway"
+    record = wd.read_init_record(workdir) if wd.is_workdir(workdir) else None
+    if record is not None:
+        with Checkpoints(cfg.init_from) as checkpoints:
+            latest = checkpoints.latest_step()
+        if record["init_from"] == cfg.init_from and record["step"] != latest:
+            raise InputError(
+                f"{workdir} started from step {record['step']} of {cfg.init_from}, which now "
+                f"holds step {latest}: start this stage afresh in a new workdir, or {allow}"
+            )
+        return
+    if not wd.is_complete(cfg.init_from):
+        raise InputError(
+            f"init_from {cfg.init_from} has not reached its final step (it was stopped early): "
+            f"finish it first (rerun its command), or {allow}"
+        )
 
 
 def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.State:
@@ -210,6 +238,7 @@ def train(cfg, workdir: str) -> dict:
 def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitStack) -> dict:
     """`train` after the settings checks, with ``preemption``'s signal handlers installed; the
     run lock goes on ``stack``."""
+    check_init_from(cfg, workdir)
     model_cfg = model_config(cfg)
     config.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
     tok = load_tokenizer(tokenizer_source(cfg))
@@ -280,6 +309,10 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
             wd.write_run_files(workdir, run_config, model_cfg, tok)
             if vocab_map is not None:
                 wd.write_vocab_map(workdir, vocab_map)
+            if cfg.init_from and wd.is_workdir(cfg.init_from):
+                with Checkpoints(cfg.init_from) as init_checkpoints:
+                    init_step = init_checkpoints.latest_step()
+                wd.write_init_record(workdir, cfg.init_from, init_step)
         start = 0
     else:
         logging.info("resuming %s from its checkpoint of step %d", workdir, start)
@@ -393,7 +426,12 @@ def _run_steps(
                     num_steps,
                     workdir,
                 )
+                last = {**last, "stopped_by": preemption.reason}
                 break
+        else:
+            checkpoints.wait_until_finished()
+            if distributed.is_primary():
+                wd.mark_complete(workdir, num_steps)
     except FloatingPointError:
         checkpoints.wait_until_finished()  # the last checkpoint is complete, and finite
         raise
@@ -541,7 +579,13 @@ def main() -> None:
     """``python -m mars_jax.train --config=CONFIG[:stage] --workdir=DIR [--config.key=value]``."""
     config = cli.config_flag()
     workdir = cli.workdir_flag("Run directory (checkpoints, logs).")
-    cli.run(lambda: train(config.value, workdir.value))
+
+    def run():
+        last = train(config.value, workdir.value)
+        if last.get("stopped_by") == "SIGINT":  # the step is saved; a pipeline must stop here
+            raise SystemExit(130)
+
+    cli.run(run)
 
 
 if __name__ == "__main__":

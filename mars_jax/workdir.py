@@ -110,6 +110,7 @@ def _check_vocab(workdir: str, vocab_map: vocab.VocabMap | None, tok: Tokenizer,
 # distributed keys differ between the processes of one run (config.json holds process 0's), and
 # a run may resume on another number of processes: global batches do not depend on it.
 _RESUMABLE_CHANGES = (
+    "train.allow_partial_init",
     "train.log_every",
     "train.save_every",
     "train.max_to_keep",
@@ -162,6 +163,41 @@ def check_same_run(workdir: str, run_config_json: str) -> None:
             f"{workdir} holds a run with another config ({'; '.join(diff)}): resume it with its "
             "own config, or start the new run in a new workdir"
         )
+
+
+COMPLETE, INIT_FROM = "complete.json", "init_from.json"
+
+
+def mark_complete(workdir: str, step: int) -> None:
+    """Records that the run in ``workdir`` reached its final step (``step``)."""
+    storage.write_text(storage.join(workdir, COMPLETE), json.dumps({"step": int(step)}) + "\n")
+
+
+def is_complete(workdir: str) -> bool:
+    """Whether the run in ``workdir`` reached its final step: `mark_complete`'s record, or for a
+    run written before it, a last metrics.jsonl record at progress 1."""
+    if storage.exists(storage.join(workdir, COMPLETE)):
+        return True
+    metrics = storage.join(workdir, "metrics.jsonl")
+    if not storage.exists(metrics):
+        return False
+    lines = storage.read_text(metrics).splitlines()
+    try:
+        return bool(lines) and json.loads(lines[-1]).get("progress") == 1.0
+    except ValueError:
+        return False
+
+
+def write_init_record(workdir: str, init_from: str, step: int) -> None:
+    """Records which run and step a fresh run in ``workdir`` was initialised from."""
+    record = {"init_from": init_from, "step": int(step)}
+    storage.write_text(storage.join(workdir, INIT_FROM), json.dumps(record) + "\n")
+
+
+def read_init_record(workdir: str) -> dict | None:
+    """`write_init_record`'s record, or None."""
+    path = storage.join(workdir, INIT_FROM)
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
 
 
 def trained_block_size(workdir: str) -> int:

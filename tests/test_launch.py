@@ -7,11 +7,15 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import run_python
+from conftest import python_env, run_python
+from train_runs import cli_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBED = "--config.mesh.rules.embed=('fsdp','tensor')"
@@ -176,3 +180,38 @@ def test_launchers_pin_the_same_jax():
         pinned = re.search(r"JAX_VERSION=\$\{JAX_VERSION:-([^}]+)\}", f.read()).group(1)
     with open(os.path.join(ROOT, "launch/xm_launch.py")) as f:
         assert f'JAX_VERSION = "{pinned}"' in f.read()
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ctrl_c_in_stage_1_ends_the_two_stage_pipeline(tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group) during stage 1 of launch/two_stage.sh:
+    stage 1 saves its step and exits 130, and the script stops there (status 130) instead of
+    starting stage 2 from a half-trained stage 1."""
+    run = tmp_path / "run"
+    env = python_env()
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+    proc = subprocess.Popen(
+        ["bash", "launch/two_stage.sh", "configs/tiny.py", str(run), *cli_flags()]
+        + ["--config.train.num_steps=200", "--config.train.save_every=1000"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    marker, deadline = run / "ar" / "metrics.jsonl", time.time() + 300
+    try:
+        while not (marker.exists() and marker.stat().st_size > 0):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "stopped by SIGINT: saved step" in stderr
+    assert os.listdir(run / "ar" / "checkpoints") and not (run / "mars").exists()
