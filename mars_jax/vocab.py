@@ -14,6 +14,7 @@ is mapped to Qwen ids again (`qwen_ids`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Iterable, Sequence
 
@@ -103,18 +104,32 @@ class VocabMap:
         return out
 
     def save(self, path: str) -> None:
-        """Writes the map as JSON: ``{"qwen_ids": [sorted ids]}``."""
-        storage.write_text(path, json.dumps({"qwen_ids": self.ids.tolist()}))
+        """Writes the map as JSON: ``{"qwen_ids": [sorted ids], "sha256": digest of the ids}``."""
+        ids = self.ids.tolist()
+        storage.write_text(path, json.dumps({"qwen_ids": ids, "sha256": _digest(ids)}))
 
     @classmethod
     def load(cls, path: str) -> "VocabMap":
         """The map saved at ``path`` by `save`. Raises ValueError naming the file when it holds
-        no sorted, unique id list."""
+        no sorted, unique id list, or ids that differ from its checksum (one id changed would
+        still be a sorted list, and every token it maps would decode as another); a map
+        written before the checksum was kept is read without it."""
         raw = storage.read_bytes(path)
         try:  # a JSONDecodeError (truncated file) and a UnicodeDecodeError are ValueErrors
-            return cls(json.loads(raw)["qwen_ids"])
+            data = json.loads(raw)
+            out = cls(data["qwen_ids"])
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{path}: not a vocabulary map ({e})") from None
+        if "sha256" in data and data["sha256"] != _digest(out.ids.tolist()):
+            raise InputError(
+                f"{path}: its ids do not match its sha256 (the file was changed after the run "
+                "wrote it): the model's ids would decode as other tokens; restore the run's map"
+            )
+        return out
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
 
 
 def build(

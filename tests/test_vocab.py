@@ -345,7 +345,21 @@ def _write_ids(ids):
     return damage
 
 
-@pytest.mark.parametrize("name", ["removed", "truncated", "one_id_short", "past_the_tokenizer"])
+def _change_one_id(path):
+    """One id moved up by one where that keeps the list sorted and unique, the file's sha256
+    kept: a map that still reads as a map, of other tokens."""
+    with open(path) as f:
+        saved = json.load(f)
+    ids = saved["qwen_ids"]
+    i = next(i for i in range(len(ids) - 1) if ids[i] + 1 < ids[i + 1])
+    ids[i] += 1
+    with open(path, "w") as f:
+        json.dump(saved, f)
+
+
+@pytest.mark.parametrize(
+    "name", ["removed", "truncated", "one_id_short", "past_the_tokenizer", "one_id_changed"]
+)
 def test_a_damaged_vocab_map_is_refused_naming_the_file(trimmed, tmp_path, name):
     """A trimmed run whose vocab_map.json is gone, unreadable or not the model's is refused by
     every loader (generate, evaluate, the lm_eval adapter and export all go through
@@ -368,6 +382,7 @@ def test_a_damaged_vocab_map_is_refused_naming_the_file(trimmed, tmp_path, name)
             _write_ids(ids[:-1] + [999_999]),
             r"vocab_map.json: id 999999 lies past the tokenizer's",
         ),
+        "one_id_changed": (_change_one_id, r"vocab_map.json: its ids do not match its sha256"),
     }[name]
     copy = _damaged_copy(trimmed[0], tmp_path, damage)
     with pytest.raises(ValueError, match=match):
