@@ -23,7 +23,7 @@ from mars_jax.chat import (
 from mars_jax.errors import InputError
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import SYNTHETIC, load_rows
-from mars_jax.tokenizer import ENDOFTEXT_ID
+from mars_jax.tokenizer import ENDOFTEXT_ID, TemplateTimeout
 
 
 class Example(NamedTuple):
@@ -52,7 +52,8 @@ def build_examples(
     with one batched encode.
 
     Skipped rows are counted by reason (those of `tokenize_chat`, plus template_error: the chat
-    template raised while rendering the row) and logged with `source_name`, as is the number of
+    template raised while rendering the row, and template_timeout: it ran past
+    `chat.RENDER_SECONDS`) and logged with `source_name`, as is the number of
     kept rows cut to `max_length` (`truncate`: see `tokenize_chat`).
 
     Returns:
@@ -72,6 +73,8 @@ def build_examples(
             kept.append((index, chat_segments(tokenizer, messages, all_assistant_turns, tools)))
         except SkipRow as e:
             skips[e.reason] += 1
+        except TemplateTimeout:  # a template that loops (nearly) for ever on this row
+            skips["template_timeout"] += 1
         except jinja2.TemplateError:  # e.g. a template that needs a turn before the assistant's
             skips["template_error"] += 1
     encoded = iter(tokenizer.encode_batch([text for _, segs in kept for text, _ in segs]))

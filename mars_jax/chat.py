@@ -14,12 +14,15 @@ import numpy as np
 
 from mars_jax.errors import InputError
 from mars_jax.objectives import IGNORE_INDEX
-from mars_jax.tokenizer import CONTROL_TOKENS, MASK_TOKEN
+from mars_jax.tokenizer import CONTROL_TOKENS, MASK_TOKEN, TemplateTimeout
 
 # Strings that the tokenizer turns into control tokens: in content they would end a turn early
 # or put <|mask|> into the clean stream, so such rows are skipped.
 _SPECIAL_STRINGS = tuple(text for _, text, special in CONTROL_TOKENS if special) + (MASK_TOKEN,)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Seconds one rendering of a training row may take (a template that loops for ever, or nearly:
+# the row is skipped and counted as template_timeout; main thread only, see render_chat).
+RENDER_SECONDS = 10.0
 
 
 class SkipRow(Exception):
@@ -201,7 +204,12 @@ def _check_tool_use_rendered(tokenizer, messages: list[dict], tools, full: str) 
             probes.append((messages[:i] + messages[i + 1 :], tools))
     for probe_messages, probe_tools in probes:
         try:
-            same = tokenizer.render_chat(probe_messages, tools=probe_tools) == full
+            rendered = tokenizer.render_chat(
+                probe_messages, tools=probe_tools, time_limit=RENDER_SECONDS
+            )
+            same = rendered == full
+        except TemplateTimeout:
+            raise
         except jinja2.TemplateError:  # the template reads what the probe took away
             same = False
         if same:
@@ -220,13 +228,15 @@ def chat_segments(
     messages, last = checked_messages(messages, forbidden)
     tools = _checked_tools(tools, forbidden)
     messages = messages[: last + 1]
-    full = tokenizer.render_chat(messages, tools=tools)
+    full = tokenizer.render_chat(messages, tools=tools, time_limit=RENDER_SECONDS)
     _check_tool_use_rendered(tokenizer, messages, tools, full)
     eos = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     segments, pos = [], 0
     for k in turns if all_assistant_turns else [last]:
-        prompt = tokenizer.render_chat(messages[:k], add_generation_prompt=True, tools=tools)
+        prompt = tokenizer.render_chat(
+            messages[:k], add_generation_prompt=True, tools=tools, time_limit=RENDER_SECONDS
+        )
         start = len(prompt)
         end = full.find(eos, start)
         if start < pos or not full.startswith(prompt) or end < 0:

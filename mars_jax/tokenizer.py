@@ -18,10 +18,13 @@ package, whose 151,643 ranks equal the ids of Qwen2's ``vocab.json``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import tempfile
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -92,6 +95,30 @@ QWEN25_CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif %}\n"
 )
+
+
+class TemplateTimeout(jinja2.exceptions.TemplateRuntimeError):
+    """A chat template that did not finish rendering within its time limit."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None, source: str):
+    """Raises `TemplateTimeout` in the block after ``seconds`` of wall time (SIGALRM: on the
+    main thread only; elsewhere, and with None, no limit)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TemplateTimeout(f"{source}: the chat template ran past its {seconds:g} s limit")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _raise_exception(message: str):
@@ -195,9 +222,12 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = False,
         tools: list[dict] | None = None,
+        time_limit: float | None = None,
     ) -> str:
         """Render ``messages`` with the chat template, as ``transformers``'
         ``apply_chat_template(tokenize=False, tools=tools)`` does; returns the prompt text.
+        ``time_limit`` (seconds, on the main thread) bounds a template that loops for ever:
+        `TemplateTimeout` (a jinja2 TemplateError) past it.
 
         Each message is a dict with ``"role"`` and ``"content"`` (str), and whatever other fields
         the template reads, passed through as given: for tool use ``"tool_calls"`` (OpenAI format,
@@ -208,14 +238,15 @@ class Tokenizer:
         ``raise_exception``, and ValueError naming ``template_source`` when the sandbox stops it
         (`_Sandbox`: Python internals, mutation)."""
         try:
-            return self._template.render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._tok.id_to_token(self.bos_id),
-                eos_token=self._tok.id_to_token(self.eos_id),
-                pad_token=self._tok.id_to_token(self.pad_id),
-            )
+            with _time_limit(time_limit, self.template_source):
+                return self._template.render(
+                    messages=messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self._tok.id_to_token(self.bos_id),
+                    eos_token=self._tok.id_to_token(self.eos_id),
+                    pad_token=self._tok.id_to_token(self.pad_id),
+                )
         except jinja2.exceptions.SecurityError as e:
             raise InputError(
                 f"{self.template_source}: the chat template was stopped by the sandbox: {e}"

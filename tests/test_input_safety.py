@@ -10,6 +10,7 @@ import json
 import pickle
 import re
 import runpy
+import time
 from pathlib import Path
 
 import jax
@@ -23,7 +24,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from mars_jax import huggingface, sharding
+from mars_jax import chat, huggingface, sharding
 from mars_jax import tokenizer as T
 from mars_jax.batches import build_examples
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
@@ -315,3 +316,28 @@ def test_config_overrides_are_parsed_never_evaluated(tmp_path, key, parsed):
     assert not marker.exists()
     eval(payload)  # the oracle: evaluating the override would have made the marker
     assert marker.exists()
+
+
+def test_a_template_that_loops_for_ever_is_a_counted_skip(offline, monkeypatch, caplog):
+    """A template whose rendering of one kind of row never ends (nested loops over a row's
+    content) gets a time limit: that row is skipped and counted as template_timeout, the
+    others are kept, and the limit is lifted afterwards (no stray alarm)."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% if 'loop' in m['content'] %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "{% endfor %}{% endfor %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = T.Tokenizer(offline._tok, template, "/models/x/chat_template.jinja")
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    rows = [
+        {"messages": MESSAGES},
+        {"messages": [{"role": "user", "content": "loop"}, MESSAGES[1]]},
+        {"messages": MESSAGES},
+    ]
+    caplog.set_level("INFO", logger="absl")
+    start = time.monotonic()
+    examples, skips = build_examples(rows, tok, "messages", max_length=64, block_size=4)
+    assert time.monotonic() - start < 10
+    assert [e.row for e in examples] == [0, 2] and skips == {"template_timeout": 1}
+    time.sleep(0.6)  # an alarm left armed would fire here
