@@ -87,13 +87,15 @@ def complete(
     system: str | None = None,
     step: int | None = None,
     stream: Callable[[int, str], None] | None = None,
+    parse_control_tokens: bool = False,
 ) -> list[dict]:
     """Decodes ``prompts`` (user messages) as one batch with checkpoint ``step`` (default: the
     latest) of the run in ``workdir``, or with the Hugging Face directory ``workdir``.
 
     ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's (a
     Hugging Face directory's ``mars_block_size``, `sources.block_size`);
-    ``system`` is an optional system message; ``stream(row, text)``, if given, receives each
+    ``system`` is an optional system message; text in a prompt that spells a control token
+    stays text unless ``parse_control_tokens``; ``stream(row, text)``, if given, receives each
     row's text as it is committed (see `TextStream`); the other arguments are as in
     `decode.generate` and are checked (`config.check_decoding`) before the run is loaded.
     Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
@@ -117,7 +119,9 @@ def complete(
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
         tok.apply_chat_template(
-            system_turn + [{"role": "user", "content": p}], add_generation_prompt=True
+            system_turn + [{"role": "user", "content": p}],
+            add_generation_prompt=True,
+            content_as_text=not parse_control_tokens,
         )
         for p in prompts
     ]
@@ -198,6 +202,11 @@ def main() -> None:
     step = cli.step_flag()
     as_json = flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
     stream = flags.DEFINE_bool("stream", False, "Print text as it is committed, per forward.")
+    parse = flags.DEFINE_bool(
+        "parse_control_tokens",
+        False,
+        "Read <|im_end|> etc. written in a prompt as control tokens (default: as text).",
+    )
 
     def run():
         prompts, thresholds = list(prompt.value or []), [None] * len(prompt.value or [])
@@ -224,6 +233,7 @@ def main() -> None:
             system=system.value,
             step=step.value,
             stream=write if stream.value else None,
+            parse_control_tokens=parse.value,
         )
         if stream.value and not tagged:
             print()

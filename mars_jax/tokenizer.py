@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -257,10 +258,49 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = False,
         tools: list[dict] | None = None,
+        content_as_text: bool = True,
     ) -> list[int]:
         """Return the ids of :meth:`render_chat`'s text (``encode(render_chat(...))``), the ids
-        ``transformers``' ``apply_chat_template(tokenize=True)`` gives."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+        ``transformers``' ``apply_chat_template(tokenize=True)`` gives, except that a message
+        content spelling a control token (``<|im_end|>``, ``<|mask|>``, ...:
+        ``control_strings``) is encoded as the text it is: only the template's own markup
+        becomes control ids, so a user cannot forge a turn or inject a mask (transformers
+        parses them; ``content_as_text=False`` does too). Raises InputError where the
+        template changes such a content (its text could not be kept)."""
+        marks = {}
+        if content_as_text:
+            for i, m in enumerate(messages):
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, str) and any(c in content for c in self.control_strings):
+                    marks[f"\ue000{i}\ue001"] = content
+        if not marks:
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+        placed = [
+            {**m, "content": f"\ue000{i}\ue001"} if f"\ue000{i}\ue001" in marks else m
+            for i, m in enumerate(messages)
+        ]
+        text = self.render_chat(placed, add_generation_prompt, tools)
+        pieces = re.split("(\ue000\\d+\ue001)", text)
+        if sorted(p for p in pieces if p in marks) != sorted(marks):
+            raise InputError(
+                f"{self.template_source}: the chat template changes message content, so a "
+                "content that spells a control token cannot be kept as text"
+            )
+        ids = []
+        for piece in pieces:
+            if piece in marks:
+                ids += self._encode_as_text(marks[piece])
+            elif piece:
+                ids += self.encode(piece)
+        return ids
+
+    def _encode_as_text(self, text: str) -> list[int]:
+        """``text``'s ids with special tokens spelled in it split as ordinary text."""
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
 
     def save(self, directory: str) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (str, created

@@ -201,9 +201,14 @@ class MappedTokenizer:
         """The text of model ids ``ids`` (see `Tokenizer.decode`)."""
         return self.qwen.decode(self.vocab.to_qwen(list(ids)), skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt=False, tools=None) -> list[int]:
+    def apply_chat_template(
+        self, messages, add_generation_prompt=False, tools=None, content_as_text=True
+    ) -> list[int]:
         """Model ids of the rendered chat (see `Tokenizer.apply_chat_template`)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+        qwen = self.qwen.apply_chat_template(
+            messages, add_generation_prompt, tools, content_as_text
+        )
+        return self._to_model(qwen)
 
 
 def stop_ids(tok) -> list[int]:
