@@ -10,11 +10,13 @@ which registers it and then runs ``lm_eval``'s own CLI with the same arguments:
 From Python: ``import mars_jax.lm_eval_adapter`` then ``lm_eval.simple_evaluate(model="mars_jax",
 model_args="workdir=...,threshold=0.95", ...)``.
 
-Model arguments: ``workdir`` (a run directory, required), ``threshold`` (default 1.0: AR
-decoding), ``block_size`` (default: the run's), ``cache_mode``, ``rule`` (`mars_jax.decode`),
-``step`` (default: the latest checkpoint), ``seed`` (sampling, prompt i of a call gets
-seed + i), ``max_gen_toks`` (default 256), ``max_length`` (window of
-``loglikelihood_rolling``, default 2048); lm_eval's ``--batch_size`` (an integer) sets the rows
+Model arguments: ``workdir`` (a run or a Hugging Face directory, required), ``threshold``
+(default 1.0: AR decoding), ``block_size`` (default: the run's), ``cache_mode``, ``rule``
+(`mars_jax.decode`), ``step`` (default: the latest checkpoint), ``seed`` (sampling: request i
+of a call gets seed + i), ``max_gen_toks`` (default 256), ``max_length`` (default 2048: as
+transformers' backend, a scored context keeps its last max_length + 1 tokens with the
+continuation, a generation context its last max_length - max_gen_toks, and
+``loglikelihood_rolling`` scores in windows of it); lm_eval's ``--batch_size`` (an integer) sets the rows
 per decoding or scoring batch; lm_eval's ``max_batch_size`` and ``device`` are accepted and
 ignored (devices are jax's).
 """
@@ -125,6 +127,7 @@ class MarsLM(TemplateLM):
             eos_ids=vocab.stop_ids(self.tokenizer),  # a trimmed run's ids
         )
         self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
+        self._rendered: dict[str, list[int]] = {}  # apply_chat_template's text -> its ids
         self.accepted = self.forwards = 0
         log.info("mars_jax: %s step %d, %s", workdir, self.step, self.decode_kwargs)
 
@@ -162,12 +165,23 @@ class MarsLM(TemplateLM):
         }
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt=True) -> str:
-        """``chat_history`` rendered by the run's chat template (a str)."""
-        return self.tokenizer.render_chat(chat_history, add_generation_prompt)
+        """``chat_history`` rendered by the run's chat template (a str). Its ids, with message
+        text that spells a control token kept as text (`Tokenizer.apply_chat_template`), are
+        kept for `tok_encode`: lm_eval hands the rendered string back as a context."""
+        text = self.tokenizer.render_chat(chat_history, add_generation_prompt)
+        self._rendered[text] = self.tokenizer.apply_chat_template(
+            chat_history, add_generation_prompt
+        )
+        return text
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        """The token ids of ``string`` (no BOS/EOS added; written control tokens become ids)."""
-        return self.tokenizer.encode(string)
+        """The token ids of ``string`` (no BOS/EOS added; written control tokens become ids),
+        except a prefix rendered by `apply_chat_template`, whose ids are that chat's."""
+        prefix = max((t for t in self._rendered if string.startswith(t)), key=len, default="")
+        if not prefix:
+            return self.tokenizer.encode(string)
+        rest = string[len(prefix) :]
+        return self._rendered[prefix] + (self.tokenizer.encode(rest) if rest else [])
 
     def _encode_request(self, i: int, context: str) -> list[int]:
         """The ids of request ``i``'s context (<|endoftext|> for an empty one). Raises
@@ -182,7 +196,8 @@ class MarsLM(TemplateLM):
         continuation ids) request (context ids non-empty)."""
         results = []
         for batch in chunks(requests, self.batch_size):
-            seqs = [(ctx + cont)[:-1] for _, ctx, cont in batch]
+            # As transformers' backend: the last max_length + 1 tokens, context cut on the left.
+            seqs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in batch]
             ids = np.full(
                 (self.batch_size, _round_up(max(map(len, seqs)), 64)),
                 self.tokenizer.pad_id,
@@ -192,8 +207,9 @@ class MarsLM(TemplateLM):
                 (self.batch_size, _round_up(max(len(c) for *_, c in batch), 8)), np.int32
             )
             starts = np.zeros((self.batch_size,), np.int32)
-            for r, ((_, ctx, cont), seq) in enumerate(zip(batch, seqs)):
-                ids[r, : len(seq)], targets[r, : len(cont)], starts[r] = seq, cont, len(ctx) - 1
+            for r, ((_, _, cont), seq) in enumerate(zip(batch, seqs)):
+                ids[r, : len(seq)], targets[r, : len(cont)] = seq, cont
+                starts[r] = max(len(seq) - len(cont), 0)
             logp, greedy = jax.device_get(_continuation_scores(self.model, ids, starts, targets))
             for r, (pair, _, cont) in enumerate(batch):
                 n = len(cont)
@@ -224,29 +240,32 @@ class MarsLM(TemplateLM):
         """One completion (str) per (context, generation kwargs) request, decoded greedily
         (or sampled where the kwargs ask for a temperature > 0) and cut at ``until``."""
         settings = [normalize_gen_kwargs(r.args[1], self.max_gen_toks) for r in requests]
-        by_temperature: dict[float, list[int]] = {}
+        groups: dict[tuple[float, int], list[int]] = {}
         for i, s in enumerate(settings):
             if unknown := sorted(set(s) - _GEN_KWARGS):
                 raise InputError(f"mars_jax: request {i}: unsupported generation kwargs {unknown}")
             temperature = float(s.get("temperature", 0.0)) if s["do_sample"] else 0.0
-            by_temperature.setdefault(temperature, []).append(i)
+            # One decode per budget: each request decodes (and is counted) up to its own.
+            groups.setdefault((temperature, int(s["max_gen_toks"])), []).append(i)
         texts = [""] * len(requests)
-        for temperature, rows in by_temperature.items():
-            prompts = [self._encode_request(i, requests[i].args[0]) for i in rows]
+        for (temperature, budget), rows in groups.items():
+            # As transformers' backend: the context's last max_length - max_gen_toks tokens.
+            keep = max(self.max_length - budget, 1)
+            prompts = [self._encode_request(i, requests[i].args[0])[-keep:] for i in rows]
             out = decode.generate_batched(
                 self.model,
                 prompts,
                 batch_size=self.batch_size,
                 pad_id=self.tokenizer.pad_id,
-                seed=self.seed,
+                seed=[self.seed + i for i in rows],  # request i's seed, whatever its group
                 temperature=temperature,
-                max_new_tokens=max(settings[i]["max_gen_toks"] for i in rows),
+                max_new_tokens=budget,
                 **self.decode_kwargs,
             )
             self.accepted += int(out.accepted.sum())
             self.forwards += int(out.row_forwards.sum())
             for i, tokens in zip(rows, out.completions()):
-                text = self.tokenizer.decode(tokens[: settings[i]["max_gen_toks"]])
+                text = self.tokenizer.decode(tokens)
                 texts[i] = postprocess_generated_text(text, settings[i]["until"], None)
                 self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])
         log.info(
