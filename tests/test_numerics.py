@@ -276,10 +276,10 @@ import jax
 from conftest import tiny_config
 from mars_jax import generate, train
 assert jax.config.jax_enable_x64  # JAX_ENABLE_X64=1, as some environments set it
-cfg = tiny_config("mars", model__num_layers=1, train__num_steps=2)
+cfg = tiny_config("mars", model__num_layers=1, train__num_steps=2, train__batch_size=4)
 train.train(cfg, sys.argv[1])
 out = [
-    generate.complete(sys.argv[1], ["What is 2 + 3?"], threshold=0.5, max_new_tokens=6, **kw)
+    generate.complete(sys.argv[1], ["What is 2 + 3?"], threshold=0.5, max_new_tokens=4, **kw)
     for kw in ({}, {"temperature": 0.8})
 ]
 print(json.dumps([o[0]["tokens"] for o in out]))
@@ -294,9 +294,10 @@ def test_jax_enable_x64_trains_and_decodes_the_same(tmp_path):
     proc = run_python("-c", X64_SCRIPT, str(x64), env=python_env(JAX_ENABLE_X64="1"))
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     plain = str(tmp_path / "plain")
-    train.train(tiny_config("mars", model__num_layers=1, train__num_steps=2), plain)
+    cfg = tiny_config("mars", model__num_layers=1, train__num_steps=2, train__batch_size=4)
+    train.train(cfg, plain)
     ours = [
-        generate.complete(plain, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=6, **kw)[0]
+        generate.complete(plain, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=4, **kw)[0]
         for kw in ({}, {"temperature": 0.8})
     ]
     assert theirs == [o["tokens"] for o in ours]

@@ -26,7 +26,7 @@ from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, eval_examples
 from mars_jax.checkpoints import Checkpoints
 from mars_jax.errors import InputError
-from mars_jax.model import Qwen2, causal_mask
+from mars_jax.model import ModelConfig, Qwen2, causal_mask
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
 
@@ -92,7 +92,8 @@ def test_stage1_run_directory(stage1):
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.05
 
     with open(os.path.join(workdir, "model.json")) as f:
-        assert json.load(f) == cfg.model.to_dict()
+        # the config's model section, with the ModelConfig defaults of the keys it leaves out
+        assert json.load(f) == dataclasses.asdict(ModelConfig(**cfg.model.to_dict()))
     with open(os.path.join(workdir, "config.json")) as f:
         saved = json.load(f)
     assert saved["train"]["num_steps"] == 4 and saved["objective"]["name"] == "ar"
