@@ -231,6 +231,54 @@ def test_two_processes_equal_one_process(runs):
     assert max_diff(flat_params(one, step=3), flat_params(one, step=2)) > 10 * bound
 
 
+PREEMPT_STEPS = 24
+
+
+def two_process_run(workdir, logs, mode="straight", steps=PREEMPT_STEPS):
+    port = free_port()
+    settings = {
+        **OVERRIDES,
+        "train.num_steps": steps,
+        "train.save_every": 1000,
+        "distributed.coordinator_address": f"localhost:{port}",
+        "distributed.num_processes": 2,
+    }
+    return [
+        launch(workdir, logs, {**settings, "distributed.process_id": i}, mode, 2, i)
+        for i in range(2)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_bitwise(tmp_path):
+    """SIGTERM to process 1 of 2 (a preemption notice reaching one host): JAX's preemption
+    sync makes both stop after the same step, save it together and exit 0; the same launch
+    then resumes and ends with the parameters of an uninterrupted 2-process run, bitwise."""
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    procs = two_process_run(run, tmp_path / "a")
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + TIMEOUT_S
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert all(p.poll() is None for p in procs), procs[0].log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(procs[1].pid, signal.SIGTERM)
+    finally:
+        wait_all(procs, TIMEOUT_S)  # both exit 0
+    saved = [int(s) for s in os.listdir(run / "checkpoints")]
+    assert len(saved) == 1 and 2 <= saved[0] < PREEMPT_STEPS, saved
+    log0 = (tmp_path / "a" / "process0.log").read_text()
+    assert f"saved step {saved[0]} of {PREEMPT_STEPS}" in log0, log0[-3000:]
+    wait_all(two_process_run(run, tmp_path / "a"), TIMEOUT_S)
+    wait_all(two_process_run(straight, tmp_path / "b"), TIMEOUT_S)
+    assert [m["step"] for m in read_metrics(run)][-1] == PREEMPT_STEPS
+    a, b = flat_params(str(run)), flat_params(str(straight))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 # ----------------------------------------------------------------------------------------------
 # In-process checks (one process, one device).
 
