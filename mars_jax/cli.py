@@ -18,8 +18,11 @@ Orbax, ...) included, keeps its traceback: it points at a bug.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import re
+import shutil
 import sys
 from typing import Callable
 
@@ -183,6 +186,11 @@ def run(main: Callable[[], None]) -> None:
             sys.stderr.flush()
             raise SystemExit(130) from None
         except Exception as e:  # re-raised unless it is the user's
+            if (full := _disk_full(e)) is not None:
+                # As below: Orbax's failed save threads would print hundreds of lines.
+                sys.stderr.write(f"error: {disk_full_message(full)}\n")
+                sys.stderr.flush()
+                os._exit(1)
             if (failed := _storage_unavailable(e)) is not None:
                 # A failed checkpoint write leaves Orbax threads that wait minutes for signals
                 # that never come; nothing uncommitted is a step, so the process ends here.
@@ -215,6 +223,48 @@ def _storage_unavailable(e: BaseException | None) -> StorageUnavailable | None:
     return None
 
 
+_NO_SPACE = "No space left on device"
+
+
+def _disk_full(e: BaseException | None) -> str | None:
+    """The text of the no-space error that ``e`` is or was raised from (an OSError with errno
+    ENOSPC, or Orbax's and tensorstore's errors quoting it), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _NO_SPACE in str(e):
+            return str(e)
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def disk_full_message(text: str) -> str:
+    """One line for a write that found the disk full: the checkpoint (or file) being written,
+    the space left on its disk, the size of the run's last committed checkpoint (what the next
+    one needs, about) and the committed steps, which are intact."""
+    paths = re.findall(r'"(/[^"]+)"', text) or re.findall(r"'(/[^']+)'", text)
+    path = paths[0] if paths else ""
+    step_dir = re.match(r"(.*/checkpoints)/(\d+)(\.orbax-checkpoint-tmp)?(/|$)", path)
+    target = f"{step_dir.group(1)}/{step_dir.group(2)}" if step_dir else path or "a file"
+    parts = [f"no space left on device writing {target}"]
+    existing = path
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing:
+        parts.append(f"{shutil.disk_usage(existing).free / 1e6:.1f} MB free there")
+    if step_dir:
+        root = step_dir.group(1)
+        steps = sorted((int(s) for s in os.listdir(root) if s.isdigit()), reverse=True)
+        if steps:
+            last = os.path.join(root, str(steps[0]))
+            size = sum(
+                os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs
+            )
+            parts.append(f"a checkpoint of this run takes about {size / 1e6:.1f} MB")
+            parts.append(f"the committed steps are intact: {', '.join(map(str, sorted(steps)))}")
+    return "; ".join(parts)
+
+
 def is_user_error(e: BaseException) -> bool:
     """Whether ``e`` is one of the errors that `run` prints as one line: an `errors.UserError`
     (mars-jax's errors about the user's input), or a FileNotFoundError or FileExistsError (a
@@ -241,6 +291,15 @@ def _help_flag(arg: str) -> bool:
     return arg.startswith("-") and name in _HELP_FLAGS and value.lower() not in ("false", "0")
 
 
+def _record_text(record: logging.LogRecord) -> str:
+    """A log record's message and its exception's text (what a handler prints)."""
+    try:
+        text = record.getMessage()
+    except (TypeError, ValueError):
+        text = str(record.msg)
+    return text + (f" {record.exc_info[1]}" if record.exc_info else "")
+
+
 def quiet_library_logs() -> None:
     """Keeps INFO records of mars-jax only in absl's log handler (Orbax logs several per save,
     JAX reports absent TPU runtimes); warnings and errors of every library stay."""
@@ -248,6 +307,8 @@ def quiet_library_logs() -> None:
     package = os.path.dirname(os.path.abspath(__file__))
 
     def keep(record: logging.LogRecord) -> bool:
+        if not record.pathname.startswith(package) and _NO_SPACE in _record_text(record):
+            return False  # a library's report of a full disk: `run` prints it as one line
         return record.levelno >= logging.WARNING or record.pathname.startswith(package)
 
     absl_logging.get_absl_handler().addFilter(keep)

@@ -340,3 +340,47 @@ def test_train_stops_on_a_corrupted_checkpoint_or_falls_back(straight, tmp_path)
     train.train(kill_config(train__restore_fallback=True), workdir)
     assert os.path.isdir(os.path.join(workdir, "corrupt_checkpoints", str(KILL_STEPS)))
     assert_same_run(workdir, straight)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 100 MB tmpfs mounted for the test (one checkpoint of the tiny run fits, two do not);
+    skipped where mounting is not allowed (not root, no tmpfs)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.subprocess
+def test_a_full_disk_is_one_line_and_the_committed_steps_resume(small_disk):
+    """Orbax's failed save threads printed hundreds of traceback lines; now one line names the
+    checkpoint, the space left and the size one takes. The committed checkpoint restores, and
+    with room made the same command resumes from it."""
+    workdir = str(small_disk / "run")
+    command = train_command(workdir)[1:] + ["--config.train.save_every=2"]
+    proc = subprocess.run(
+        [sys.executable, *command], cwd=ROOT, env=python_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("I")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: no space left on device writing {workdir}/checkpoints/")
+    assert "MB free there" in lines[0] and "a checkpoint of this run takes about" in lines[0]
+    assert lines[0].endswith("the committed steps are intact: 2"), lines[0]
+    _, _, step = wd.load_model(workdir, step=2)  # its checksums verified
+    assert step == 2
+    subprocess.run(["mount", "-o", "remount,size=400m", str(small_disk)], check=True)
+    again = subprocess.run(
+        [sys.executable, *command], cwd=ROOT, env=python_env(), capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming {workdir} from its checkpoint of step 2" in again.stderr
+    assert wd.load_model(workdir)[2] == KILL_STEPS
