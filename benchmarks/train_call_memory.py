@@ -4,6 +4,11 @@ r"""Host memory across repeated `train` calls in one process, with and without
 
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/train_call_memory.py --calls=8
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/train_call_memory.py --calls=8 --clear_caches
+  PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/train_call_memory.py --calls=8 --malloc_arenas=0
+
+glibc's malloc arenas are capped at ``--malloc_arenas`` (2, as the entry points cap them:
+`mars_jax.platforms.limit_malloc_arenas`); 0 keeps glibc's default, under which the RSS grows
+with no live object behind it (docs/training-at-scale.md).
 
 Each call trains `configs/tiny.py` for ``--steps`` steps (batch 4, 32 synthetic rows) in a fresh
 temporary workdir; after it (and ``jax.clear_caches()`` with the flag) the script collects
@@ -19,15 +24,20 @@ import psutil
 from absl import app, flags, logging
 
 from configs import tiny
-from mars_jax import train
+from mars_jax import platforms, train
 
 _CALLS = flags.DEFINE_integer("calls", 8, "train calls")
 _STEPS = flags.DEFINE_integer("steps", 5, "steps per call")
 _CLEAR = flags.DEFINE_bool("clear_caches", False, "jax.clear_caches() after each call")
+_ARENAS = flags.DEFINE_integer(
+    "malloc_arenas", 2, "glibc malloc arenas (platforms.limit_malloc_arenas; 0: glibc's default)"
+)
 
 
 def main(argv) -> None:
     del argv
+    if _ARENAS.value:
+        platforms.limit_malloc_arenas(_ARENAS.value)
     logging.set_verbosity(logging.WARNING)
     process, rss = psutil.Process(), []
     for call in range(_CALLS.value):

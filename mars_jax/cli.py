@@ -178,6 +178,7 @@ def run(main: Callable[[], None]) -> None:
             if holder.value is None:
                 raise app.UsageError(f"flag --{holder.name} is required")
         quiet_library_logs()
+        platforms.limit_malloc_arenas()  # before JAX starts its threads (see there)
         platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
         try:
             main()

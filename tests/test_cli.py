@@ -177,3 +177,17 @@ def test_cli_run_prints_a_user_error_as_one_line_and_anything_else_with_its_trac
     else:
         assert "Traceback (most recent call last):" in proc.stderr, proc.stderr[-3000:]
         assert not any(line.startswith("error:") for line in lines), proc.stderr[-3000:]
+
+
+def test_malloc_arenas_are_capped_unless_the_environment_says(monkeypatch):
+    """The cap behind the flat RSS of repeated train calls (docs/training-at-scale.md): set
+    through glibc's mallopt where glibc is the allocator, left to MALLOC_ARENA_MAX if set."""
+    import ctypes.util
+
+    from mars_jax import platforms
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    glibc = sys.platform.startswith("linux") and "libc.so" in (ctypes.util.find_library("c") or "")
+    assert platforms.limit_malloc_arenas() == glibc
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert platforms.limit_malloc_arenas() is False

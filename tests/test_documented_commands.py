@@ -397,6 +397,11 @@ REGISTRY = [
         ),
     ),
     (
+        "train_call_memory",
+        r"PYTHONPATH=\. JAX_PLATFORMS=cpu python benchmarks/train_call_memory\.py .*",
+        Covered("tests/test_benchmark_commands.py::test_train_call_memory", "2 calls of 1 step"),
+    ),
+    (
         "soak",
         r"PYTHONPATH=\. JAX_PLATFORMS=cpu python benchmarks/soak\.py .*",
         Covered("tests/test_benchmark_commands.py::test_soak", "the script at 2 steps"),
