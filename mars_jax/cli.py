@@ -178,6 +178,7 @@ def run(main: Callable[[], None]) -> None:
             if holder.value is None:
                 raise app.UsageError(f"flag --{holder.name} is required")
         quiet_library_logs()
+        _quiet_closed_loop_callbacks()
         platforms.limit_malloc_arenas()  # before JAX starts its threads (see there)
         platforms.cpu_unless_accelerator()  # no libtpu errors on a machine without a TPU
         try:
@@ -299,6 +300,21 @@ def _record_text(record: logging.LogRecord) -> str:
     except (TypeError, ValueError):
         text = str(record.msg)
     return text + (f" {record.exc_info[1]}" if record.exc_info else "")
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """Drops the "Event loop is closed" RuntimeErrors that tensorstore's callbacks print (through
+    sys.excepthook) when they reach an Orbax event loop already closed, after a failed save:
+    dozens of tracebacks before `run`'s one line (a full disk). Every other exception is
+    printed as before."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if kind is RuntimeError and str(value) == "Event loop is closed":
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def quiet_library_logs() -> None:
