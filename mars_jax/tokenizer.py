@@ -496,6 +496,14 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _chat_template(root: Path, config: dict, config_file) -> tuple[str, str | None]:
+    """(its source file, the template) of a tokenizer directory: chat_template.jinja, else
+    tokenizer_config.json's ``chat_template``; (config_file, None) when neither has one."""
+    if (root / "chat_template.jinja").exists():
+        return str(root / "chat_template.jinja"), (root / "chat_template.jinja").read_text()
+    return str(config_file), config.get("chat_template") or None
+
+
 def _other_family(root: Path, tok, config: dict, model_file, config_file) -> "Tokenizer":
     """The `Tokenizer` of another family's files (Llama 3): its control tokens read, none of
     Qwen's added. eos_token (required) is the end of a turn; the stop ids are it and
@@ -536,14 +544,10 @@ def _other_family(root: Path, tok, config: dict, model_file, config_file) -> "To
                     f"{generation}: eos_token_id {token_id} is not a token of {model_file}"
                 )
             stops += [] if int(token_id) in stops else [int(token_id)]
-    if (root / "chat_template.jinja").exists():
-        source = root / "chat_template.jinja"
-        template = source.read_text()
-    elif config.get("chat_template"):
-        source, template = config_file, config["chat_template"]
-    else:
+    source, template = _chat_template(root, config, config_file)
+    if template is None:
         raise InputError(f"{config_file}: no chat_template (nor chat_template.jinja)")
-    out = Tokenizer(tok, template, str(source))
+    out = Tokenizer(tok, template, source)
     out.family, out.eos_id, out.eos_ids = "other", eos, tuple(stops)
     out.bos_id = eos if bos is None else bos
     out.pad_id = eos if pad is None else pad
@@ -626,13 +630,10 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     mask_declared = _add_control_tokens(
         tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file)
     )
-    if (root / "chat_template.jinja").exists():
-        source = root / "chat_template.jinja"
-        template = source.read_text()
-    elif config.get("chat_template"):
-        source, template = config_file, config["chat_template"]
+    source, template = _chat_template(root, config, config_file)
+    if template is None:  # Qwen2's vocab.json + merges.txt carry none: Qwen2.5's
+        tokenizer = Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
     else:
-        source, template = None, QWEN25_CHAT_TEMPLATE
-    tokenizer = Tokenizer(tok, template, *([] if source is None else [str(source)]))
+        tokenizer = Tokenizer(tok, template, source)
     tokenizer.mask_declared = mask_declared
     return tokenizer
