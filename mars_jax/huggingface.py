@@ -237,22 +237,15 @@ def _checkpoint_files(path: str) -> list[str]:
 
     Only safetensors weights are read (a format of raw tensors: loading one runs no code).
     As in transformers, ``model.safetensors`` wins over an index beside it (whose shards are
-    then ignored, with a logged warning); else the files the index's ``weight_map`` names.
+    then ignored; `_local_weights` logs that once per load); else the files the index's
+    ``weight_map`` names.
     Raises FileNotFoundError without model.safetensors or model.safetensors.index.json; when
     the directory holds pickle-based weights instead (``pytorch_model.bin``, ``*.pt``,
     ``*.pth``, ``*.ckpt``, ...), the message names them and gives the transformers command
     that converts them to safetensors; the pickles are never opened. Raises ValueError for an
     index whose ``weight_map`` names a file that is not ``.safetensors``.
     """
-    index = storage.join(path, "model.safetensors.index.json")
-    single = storage.exists(storage.join(path, "model.safetensors"))
-    if storage.exists(index) and single:
-        logging.warning(
-            "%s: both model.safetensors and model.safetensors.index.json; model.safetensors is "
-            "loaded (as transformers does), the index and its shards are ignored",
-            path,
-        )
-    if single:
+    if storage.exists(storage.join(path, "model.safetensors")):
         return ["model.safetensors"]
     weight_map = _weight_map(path)
     if weight_map is not None:
@@ -471,6 +464,12 @@ def _local_weights(path: str):
     """`storage.local_dir` of the weight files of HF directory ``path`` (a ``gs://`` one is
     copied to local disk: safetensors reads through a memory map)."""
     names = ["model.safetensors.index.json", *_checkpoint_files(path)]
+    if names[1] == "model.safetensors" and storage.exists(storage.join(path, names[0])):
+        logging.warning(
+            "%s: both model.safetensors and model.safetensors.index.json; model.safetensors is "
+            "loaded (as transformers does), the index and its shards are ignored",
+            path,
+        )
     return storage.local_dir(path, names)
 
 

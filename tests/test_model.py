@@ -461,7 +461,7 @@ def test_a_tensor_is_read_from_the_shard_the_index_names(tied_ckpt, tmp_path, ca
         huggingface.load_hf(str(path))
 
 
-def test_model_safetensors_beside_an_index_wins_as_in_transformers(tied_ckpt, tmp_path):
+def test_model_safetensors_beside_an_index_wins_as_in_transformers(tied_ckpt, tmp_path, caplog):
     path = tmp_path / "both"
     save_hf(path, seed=7, max_shard_size="20KB")  # an older sharded save
     shutil.copy(tied_ckpt[0] / "model.safetensors", path / "model.safetensors")
@@ -469,8 +469,10 @@ def test_model_safetensors_beside_an_index_wins_as_in_transformers(tied_ckpt, tm
     ids, valid = right_padded_batch(TINY["vocab_size"], [12, 5], 12, seed=5)
     ref = hf_logits(theirs, ids, attention_mask=valid.astype(np.int64))
     np.testing.assert_allclose(ref[valid], hf_logits(tied_ckpt[1], ids)[valid], atol=1e-5)
-    ours = our_logits(huggingface.load_hf(str(path)), ids, valid)
+    with caplog.at_level("WARNING"):
+        ours = our_logits(huggingface.load_hf(str(path)), ids, valid)
     np.testing.assert_allclose(ours[valid], ref[valid], rtol=0, atol=1e-4)
+    assert caplog.text.count("the index and its shards are ignored") == 1  # once per load
 
 
 # --------------------------------------------------------------------------------------------
