@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, config, decode, plots, sources, storage, vocab
+from mars_jax import cli, config, decode, platforms, plots, sources, storage, vocab
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.grading import accuracy, extract_answer
@@ -133,6 +133,7 @@ def best_of(decode_fn, repeats: int):
     return result, best
 
 
+@platforms.releases_host_memory
 def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     """Runs the evaluation described in the module docstring on checkpoint ``step`` (default:
     the latest) of ``workdir``, with the ``data`` and ``eval`` sections of run config ``cfg``.

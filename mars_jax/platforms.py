@@ -16,6 +16,7 @@ set, even to "", always wins.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sys
@@ -80,3 +81,36 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
         return bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
     except (OSError, AttributeError):  # not glibc
         return False
+
+
+def release_host_memory() -> bool:
+    """Gives the system back the free memory that glibc's malloc keeps (``malloc_trim(0)``).
+
+    XLA, tensorstore and Orbax free many large buffers that glibc keeps for reuse: after a
+    `train` or `evaluate` call the process holds hundreds of MiB that nothing uses, and a
+    process that calls them again and again settles far above its live memory
+    (`benchmarks/soak.py`, docs/training-at-scale.md). Returns whether memory was given back
+    (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def releases_host_memory(fn):
+    """Decorates an entry function (`train.train`, `evaluate.evaluate`) to call
+    `release_host_memory` when it returns or raises, once its own frame (the model, the
+    optimizer state, the data pipeline) is gone."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_host_memory()
+
+    return wrapper

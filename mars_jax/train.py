@@ -46,6 +46,7 @@ from mars_jax import (
     distributed,
     huggingface,
     objectives,
+    platforms,
     sharding,
     storage,
     train_step,
@@ -204,6 +205,7 @@ def build_vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     return vocab.build(ids, tok.mask_id, len(tok), **control)
 
 
+@platforms.releases_host_memory
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training of run config ``cfg`` in ``workdir``; returns the last logged
     metrics record (empty if the run was already complete).
