@@ -303,18 +303,24 @@ def _record_text(record: logging.LogRecord) -> str:
 
 
 def _quiet_closed_loop_callbacks() -> None:
-    """Drops the "Event loop is closed" RuntimeErrors that tensorstore's callbacks print (through
-    sys.excepthook) when they reach an Orbax event loop already closed, after a failed save:
-    dozens of tracebacks before `run`'s one line (a full disk). Every other exception is
-    printed as before."""
-    previous = sys.excepthook
+    """Drops the "Event loop is closed" RuntimeErrors of tensorstore's completion callbacks that
+    reach an Orbax event loop already closed after a failed save: dozens of tracebacks before
+    `run`'s one line (a full disk). tensorstore reports them through ``sys.unraisablehook``;
+    ``sys.excepthook`` is covered too. Every other exception is printed as before."""
+    previous_excepthook, previous_unraisablehook = sys.excepthook, sys.unraisablehook
 
-    def hook(kind, value, tb):
-        if kind is RuntimeError and str(value) == "Event loop is closed":
-            return
-        previous(kind, value, tb)
+    def closed_loop(value) -> bool:
+        return type(value) is RuntimeError and str(value) == "Event loop is closed"
 
-    sys.excepthook = hook
+    def excepthook(kind, value, tb):
+        if not closed_loop(value):
+            previous_excepthook(kind, value, tb)
+
+    def unraisablehook(unraisable):
+        if not closed_loop(unraisable.exc_value):
+            previous_unraisablehook(unraisable)
+
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
 def quiet_library_logs() -> None:
