@@ -74,7 +74,6 @@ from mars_jax.errors import InputError
 from mars_jax.kv_cache import KVCache, init_cache, read_window, write_window
 from mars_jax.model import Qwen2, causal_mask
 from mars_jax.sharding import with_logical_constraint
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
 
 CACHE_MODES = ("sliding", "block", "none")
 
@@ -805,7 +804,8 @@ class Decoder:
         within = jnp.arange(n)[None] < s.new_tokens[:, None]
         is_eos = jnp.isin(out, eos) & within
         lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
-        out = jnp.where(jnp.arange(n)[None] < lengths[:, None], out, ENDOFTEXT_ID)
+        filler = self.settings.eos_ids[0] if self.settings.eos_ids else 0  # a real token
+        out = jnp.where(jnp.arange(n)[None] < lengths[:, None], out, filler)
         return DecodeResult(
             out, lengths.astype(jnp.int32), s.new_tokens, s.row_forwards, s.forwards
         )
@@ -861,8 +861,8 @@ def generate(
     max_accept_per_step: int | None = None,
     adaptive_window: bool = True,
     temperature: float = 0.0,
-    eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
-    mask_id: int | None = MASK_ID,
+    eos_ids: Sequence[int],
+    mask_id: int | None,
     seed: int | Sequence[int] | np.ndarray = 0,
     mesh: Mesh | None = None,
     axis_rules: Any = None,
@@ -996,7 +996,7 @@ def generate_batched(
     prompts: Sequence[Sequence[int]],
     *,
     batch_size: int,
-    pad_id: int = ENDOFTEXT_ID,
+    pad_id: int,
     seed: int | Sequence[int] | np.ndarray = 0,
     **kwargs,
 ) -> DecodeOutput:

@@ -48,7 +48,6 @@ from mars_jax.decode import (
 )
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +174,9 @@ class Engine:
         block_size: int,
         cache_mode: str = "sliding",
         rule: str = "prob",
-        eos_ids: Sequence[int] = DEFAULT_EOS_IDS,
-        mask_id: int | None = MASK_ID,
-        pad_id: int = ENDOFTEXT_ID,
+        eos_ids: Sequence[int],
+        mask_id: int | None,
+        pad_id: int,
         steps_per_call: int = 4,
         prefill_chunk: int | None = None,
         sampling: bool = True,

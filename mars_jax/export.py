@@ -56,7 +56,12 @@ def export_run(
     model, tok, step = wd.load_model(workdir, step=step)
     block_size = wd.trained_block_size(workdir)
     huggingface.export_hf(
-        model, output, dtype=dtype, mask_token_id=tok.mask_id, block_size=block_size
+        model,
+        output,
+        dtype=dtype,
+        mask_token_id=tok.mask_id,
+        block_size=block_size,
+        special_ids=huggingface.token_ids(tok),
     )
     tok.save(output)
     eval_path = storage.join(workdir, "eval.json")
@@ -166,7 +171,7 @@ def model_card(
         "prompt = tok.apply_chat_template(messages, add_generation_prompt=True)",
         "out = decode.generate_batched(",
         f"    model, [prompt], batch_size=1, block_size={block_size}, threshold=0.95,",
-        "    max_new_tokens=256, mask_id=tok.mask_id,",
+        "    max_new_tokens=256, mask_id=tok.mask_id, eos_ids=tok.eos_ids, pad_id=tok.pad_id,",
         ")",
         "print(tok.decode(out.completions()[0]), out.tokens_per_forward)",
         "```",

@@ -34,7 +34,6 @@ from safetensors.numpy import save_file
 from mars_jax import storage
 from mars_jax.errors import AlreadyExists, InputError, NotFound
 from mars_jax.model import ROPE_TYPES, ModelConfig, Qwen2, abstract_model
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 _SUPPORTED_ACT = "silu"
 # config.json model types -> `ModelConfig.family`: transformers' own, and the names under which
@@ -130,13 +129,28 @@ def config_from_hf(
     )
 
 
+def token_ids(tok) -> dict[str, Any]:
+    """A tokenizer's ids as config.json and generation_config.json name them:
+    ``bos_token_id``, ``eos_token_id`` (the stop ids, the end of a turn first) and
+    ``pad_token_id``."""
+    return {
+        "bos_token_id": int(tok.bos_id),
+        "eos_token_id": [int(i) for i in tok.eos_ids],
+        "pad_token_id": int(tok.pad_id),
+    }
+
+
 def config_to_hf(
-    cfg: ModelConfig, *, mask_token_id: int | None = None, block_size: int | None = None
+    cfg: ModelConfig,
+    *,
+    mask_token_id: int | None = None,
+    block_size: int | None = None,
+    special_ids: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The transformers ``Qwen2Config`` dict (config.json) describing ``cfg``.
 
-    Where the embedding has Qwen2.5's special-token rows it carries their ``bos_token_id``
-    (<|endoftext|>) and ``eos_token_id`` (<|im_end|>), as Qwen2.5's own config.json does (the
+    With ``special_ids`` (`token_ids` of the model's tokenizer) it carries ``bos_token_id``
+    and ``eos_token_id`` (the end of a turn), as a release's own config.json does (the
     generation stop ids are in `generation_config_to_hf`). ``mask_token_id`` (MARS's
     <|mask|>) and ``block_size`` (written ``mars_block_size``: the most tokens per forward the
     model was trained to decode) are added when given; transformers keeps such keys as plain
@@ -173,37 +187,25 @@ def config_to_hf(
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
         "torch_dtype": cfg.param_dtype,
-        # Qwen2.5's <|endoftext|> and <|im_end|>, where the embedding has those rows.
         **(
-            {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": IM_END_ID}
-            if _has_qwen_special_rows(cfg)
-            else {}
+            {}
+            if special_ids is None
+            else {
+                "bos_token_id": special_ids["bos_token_id"],
+                "eos_token_id": special_ids["eos_token_id"][0],
+            }
         ),
         **({} if mask_token_id is None else {"mask_token_id": int(mask_token_id)}),
         **({} if block_size is None else {"mars_block_size": int(block_size)}),
     }
 
 
-def _has_qwen_special_rows(cfg: ModelConfig) -> bool:
-    """Whether the embedding has rows for Qwen2.5's <|endoftext|> and <|im_end|>."""
-    return cfg.vocab_size > max(ENDOFTEXT_ID, *DEFAULT_EOS_IDS)
-
-
-def generation_config_to_hf(cfg: ModelConfig) -> dict[str, Any] | None:
+def generation_config_to_hf(special_ids: dict[str, Any]) -> dict[str, Any]:
     """The ``generation_config.json`` dict with which transformers' ``generate`` (and any tool
     that reads the file for its defaults) decodes as `mars_jax.decode.generate` does at
-    threshold 1.0: greedy (``do_sample: false``), stopping at either of
-    `mars_jax.tokenizer.DEFAULT_EOS_IDS` (<|im_end|> 151645, <|endoftext|> 151643), padding with
-    <|endoftext|>. None for an embedding without those rows (no Qwen2.5 vocabulary).
-    """
-    if not _has_qwen_special_rows(cfg):
-        return None
-    return {
-        "bos_token_id": ENDOFTEXT_ID,
-        "eos_token_id": [int(i) for i in DEFAULT_EOS_IDS],
-        "pad_token_id": ENDOFTEXT_ID,
-        "do_sample": False,
-    }
+    threshold 1.0: greedy (``do_sample: false``), stopping at each of the tokenizer's stop ids
+    and padding with its pad id (``special_ids``: `token_ids`)."""
+    return {**special_ids, "do_sample": False}
 
 
 def _hf_names(path: tuple, num_layers: int) -> tuple[list[str], bool, bool]:
@@ -553,32 +555,35 @@ def export_hf(
     dtype: str | None = None,
     mask_token_id: int | None = None,
     block_size: int | None = None,
+    special_ids: dict[str, Any] | None = None,
 ) -> None:
     """Writes ``model`` as a directory that ``transformers.AutoModelForCausalLM`` loads.
 
     Writes config.json (`config_to_hf`) and model.safetensors, or several shards plus
     model.safetensors.index.json when the weights exceed ``max_shard_bytes``. A tied model
     writes no lm_head. ``dtype`` (e.g. "bfloat16") casts the saved weights; default: param dtype.
-    A model with Qwen2.5's vocabulary also gets generation_config.json
-    (`generation_config_to_hf`: greedy, both stop ids), so that transformers' ``generate``
-    stops where `mars_jax.decode.generate` does, and config.json records ``mask_token_id``
-    (default: <|mask|>'s 151665 where the embedding has that row); ``block_size`` (the
+    With ``special_ids`` (`token_ids` of the model's tokenizer) config.json records the bos
+    and eos ids and generation_config.json is written (`generation_config_to_hf`: greedy, the
+    stop ids), so that transformers' ``generate`` stops where `mars_jax.decode.generate`
+    does; config.json records ``mask_token_id`` when given; ``block_size`` (the
     training block size, e.g. `mars_jax.workdir.trained_block_size`) is recorded as
     ``mars_block_size`` when given. Tokenizer files are not written here (see
     `mars_jax.export.export_run`). Every file written has mode 0666 less the umask (0644
     under the usual 022), the weights included.
 
     Raises FileExistsError if ``path`` already holds safetensors weights (stale shards next to
-    new ones would be ambiguous); ValueError for a ``mask_token_id`` outside the embedding or
-    a ``block_size`` < 1.
+    new ones would be ambiguous); ValueError for a ``mask_token_id`` or special id outside the
+    embedding or a ``block_size`` < 1.
     """
-    if mask_token_id is None and model.cfg.vocab_size > MASK_ID:
-        mask_token_id = MASK_ID
-    if mask_token_id is not None and not 0 <= mask_token_id < model.cfg.vocab_size:
-        raise InputError(
-            f"mask_token_id {mask_token_id} is not a row of the {model.cfg.vocab_size}-row "
-            "embedding"
-        )
+    named = {} if special_ids is None else dict(special_ids)
+    if mask_token_id is not None:
+        named["mask_token_id"] = mask_token_id
+    for name, ids in named.items():
+        for token_id in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if not 0 <= token_id < model.cfg.vocab_size:
+                raise InputError(
+                    f"{name} {token_id} is not a row of the {model.cfg.vocab_size}-row embedding"
+                )
     if block_size is not None and block_size < 1:
         raise InputError(f"block_size must be >= 1, got {block_size}")
     storage.makedirs(path)
@@ -598,6 +603,7 @@ def export_hf(
                 dtype=dtype,
                 mask_token_id=mask_token_id,
                 block_size=block_size,
+                special_ids=special_ids,
             )
             storage.copy_tree(local, path)
         return
@@ -635,12 +641,13 @@ def export_hf(
                 indent=2,
             )
     with open(os.path.join(path, "config.json"), "w") as f:
-        hf_config = config_to_hf(cfg, mask_token_id=mask_token_id, block_size=block_size)
+        hf_config = config_to_hf(
+            cfg, mask_token_id=mask_token_id, block_size=block_size, special_ids=special_ids
+        )
         json.dump(hf_config, f, indent=2)
-    generation = generation_config_to_hf(cfg)
-    if generation is not None:
+    if special_ids is not None:
         with open(os.path.join(path, "generation_config.json"), "w") as f:
-            json.dump(generation, f, indent=2)
+            json.dump(generation_config_to_hf(special_ids), f, indent=2)
     # safetensors writes its files with mode 0600 (a private temporary file renamed into place);
     # give them the mode every other file gets: 0666 less the umask.
     umask = os.umask(0)

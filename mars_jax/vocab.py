@@ -23,7 +23,7 @@ import numpy as np
 from mars_jax import storage
 from mars_jax.errors import InputError
 from mars_jax.objectives import IGNORE_INDEX
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
+from mars_jax.tokenizer import Tokenizer
 
 ROW_MULTIPLE = 128  # kept rows are padded with filler ids to a multiple of this
 
@@ -136,11 +136,10 @@ def build(
     token_ids: Iterable[np.ndarray],
     mask_id: int,
     vocab_size: int,
-    control_ids: Sequence[int] = (ENDOFTEXT_ID, IM_START_ID, IM_END_ID),
+    control_ids: Sequence[int],
 ) -> VocabMap:
     """The map of a trimmed run: the ids in ``token_ids`` (arrays of Qwen ids, e.g. every
-    example's input_ids), the ``control_ids`` (default Qwen's; another tokenizer's pad, BOS and
-    stop ids) and ``mask_id``, plus the lowest absent ids as filler up to a multiple of
+    example's input_ids), the ``control_ids`` (the tokenizer's pad, BOS and stop ids) and ``mask_id``, plus the lowest absent ids as filler up to a multiple of
     `ROW_MULTIPLE` (at most ``vocab_size``, the full vocabulary's rows).
 
     Raises ValueError for an id outside [0, vocab_size).
@@ -169,7 +168,7 @@ class MappedTokenizer:
         self.qwen, self.vocab = tok, vocab
         self.chat_template = tok.chat_template
         self.render_chat, self.save = tok.render_chat, tok.save
-        self.control_strings, self.family = tok.control_strings, tok.family
+        self.control_strings = tok.control_strings
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = (
             int(i) for i in vocab.to_model([tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id])
         )

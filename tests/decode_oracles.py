@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mars_jax import decode, engine
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID
 
@@ -212,3 +213,11 @@ def swap_head_columns(model, a, b):
     w = swapped.lm_head.kernel[...]
     swapped.lm_head.kernel[...] = w.at[:, [a, b]].set(w[:, [b, a]])
     return swapped
+
+
+# The decoder and the engine take every id from the loaded model's tokenizer; these tests'
+# models have rows for Qwen2.5's ids, so they pass those (any argument given wins).
+QWEN_IDS = dict(eos_ids=EOS, mask_id=MASK_ID)
+qwen_generate = functools.partial(decode.generate, **QWEN_IDS)
+qwen_generate_batched = functools.partial(decode.generate_batched, pad_id=ENDOFTEXT_ID, **QWEN_IDS)
+qwen_engine = functools.partial(engine.Engine, pad_id=ENDOFTEXT_ID, **QWEN_IDS)

@@ -15,6 +15,8 @@ from decode_oracles import (
     assert_matches_references,
     make_batch,
     make_model,
+    qwen_generate,
+    qwen_generate_batched,
     reference_ar,
     reference_mars,
     swap_head_columns,
@@ -44,7 +46,7 @@ def peaked():
 def test_threshold_one_is_greedy_ar(which, request):
     model = request.getfixturevalue(which)
     ids, lengths, prompts = make_batch([3, 9, 6, 1], seed=1)
-    out = decode.generate(model, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW)
+    out = qwen_generate(model, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW)
     fwd = Uncached(model, ids.shape[1] + MAX_NEW + 4)
     max_probs = []
     for r, p in enumerate(prompts):
@@ -63,7 +65,7 @@ def test_threshold_one_is_greedy_ar(which, request):
         # fp32 probabilities of exactly 1.0 occurred, and the same model accepts several tokens
         # per forward below threshold 1: threshold 1.0 itself must not accept them.
         assert max(max_probs) == 1.0
-        multi = decode.generate(
+        multi = qwen_generate(
             model, ids, lengths, block_size=4, threshold=0.999, max_new_tokens=MAX_NEW
         )
         assert multi.tokens_per_forward > 1.5
@@ -80,7 +82,7 @@ def test_threshold_one_is_greedy_ar(which, request):
 def test_threshold_decoding_matches_uncached_reference(block_size, threshold, which, request):
     model = request.getfixturevalue(which)
     ids, lengths, prompts = make_batch([5, 2, 11, 7, 4], seed=2)
-    out = decode.generate(
+    out = qwen_generate(
         model, ids, lengths, block_size=block_size, threshold=threshold, max_new_tokens=MAX_NEW
     )
     fwd = Uncached(model, ids.shape[1] + MAX_NEW + block_size)
@@ -102,7 +104,7 @@ def test_mask_id_is_used(mid):
     """Another mask id changes the mask inputs: the decoder must feed the one it is given."""
     ids, lengths, prompts = make_batch([5, 8], seed=3)
     other = IM_START_ID
-    out = decode.generate(
+    out = qwen_generate(
         mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW, mask_id=other
     )
     fwd = Uncached(mid, ids.shape[1] + MAX_NEW + 4)
@@ -111,9 +113,7 @@ def test_mask_id_is_used(mid):
         for p in prompts
     ]
     assert_matches_references(out, refs)
-    default = decode.generate(
-        mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
-    )
+    default = qwen_generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
     assert (
         not np.array_equal(default.tokens, out.tokens)
         or not np.array_equal(default.accepted, out.accepted)
@@ -128,7 +128,7 @@ def test_mask_id_is_used(mid):
 def test_prompt_alone_equals_prompt_in_batch(mid):
     ids, lengths, prompts = make_batch([4, 10, 7], seed=4)
     target = 0  # the shortest row: the most padding in the batch
-    alone = decode.generate(
+    alone = qwen_generate(
         mid,
         ids[target : target + 1, : lengths[target]],
         lengths[target : target + 1],
@@ -142,7 +142,7 @@ def test_prompt_alone_equals_prompt_in_batch(mid):
         batch = np.full((3, width), pad, np.int32)
         for row, r in enumerate(order):
             batch[row, : lengths[r]] = prompts[r]
-        out = decode.generate(
+        out = qwen_generate(
             mid, batch, lengths[order], block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
         )
         row = order.index(target)
@@ -164,8 +164,8 @@ def test_sampled_prompt_alone_equals_prompt_in_batch(mid, cache_mode):
     ids, lengths, prompts = make_batch([4, 10, 7], seed=4)
     _, _, strangers = make_batch([12, 2, 6], seed=9)
     target, seed, others = prompts[1], 5, [prompts[0], prompts[2]]
-    alone = decode.generate(mid, np.asarray([target]), [len(target)], seed=seed, **kw)
-    greedy = decode.generate(mid, np.asarray([target]), [len(target)], **{**kw, "temperature": 0.0})
+    alone = qwen_generate(mid, np.asarray([target]), [len(target)], seed=seed, **kw)
+    greedy = qwen_generate(mid, np.asarray([target]), [len(target)], **{**kw, "temperature": 0.0})
     # The sample is not the greedy output; some forwards accept several tokens, some reject
     # candidates (whose positions are drawn again by later forwards).
     assert np.mean(alone.tokens != greedy.tokens) > 0.3
@@ -186,7 +186,7 @@ def test_sampled_prompt_alone_equals_prompt_in_batch(mid, cache_mode):
         seeds = seed
         if other_seeds is not None:
             seeds = other_seeds[:where] + [seed] + other_seeds[where:]
-        out = decode.generate(mid, batch, [len(p) for p in rows], seed=seeds, **kw)
+        out = qwen_generate(mid, batch, [len(p) for p in rows], seed=seeds, **kw)
         np.testing.assert_array_equal(out.tokens[where], alone.tokens[0])
         assert out.lengths[where] == alone.lengths[0]
         assert out.accepted[where] == alone.accepted[0]
@@ -200,28 +200,28 @@ def test_per_row_seeds(mid):
     row's, and ``none`` (no cache) draws the same tokens as ``sliding``. Greedy ignores seeds."""
     ids, lengths, _ = make_batch([5, 9, 3], seed=10)
     seeds = [11, 0, 2**32 - 1]
-    out = decode.generate(mid, ids, lengths, seed=seeds, **SAMPLE)
+    out = qwen_generate(mid, ids, lengths, seed=seeds, **SAMPLE)
     for r, s in enumerate(seeds):
-        alone = decode.generate(
+        alone = qwen_generate(
             mid, ids[r : r + 1, : lengths[r]], lengths[r : r + 1], seed=s, **SAMPLE
         )
         for f in ("tokens", "lengths", "accepted", "row_forwards"):
             assert getattr(out, f)[r].tolist() == getattr(alone, f)[0].tolist(), (r, f)
-    flipped = decode.generate(mid, ids[::-1], lengths[::-1], seed=seeds[::-1], **SAMPLE)
+    flipped = qwen_generate(mid, ids[::-1], lengths[::-1], seed=seeds[::-1], **SAMPLE)
     np.testing.assert_array_equal(flipped.tokens[::-1], out.tokens)
-    same = decode.generate(mid, ids, lengths, seed=np.array([11, 11, 11], np.uint32), **SAMPLE)
-    scalar = decode.generate(mid, ids, lengths, seed=11, **SAMPLE)
+    same = qwen_generate(mid, ids, lengths, seed=np.array([11, 11, 11], np.uint32), **SAMPLE)
+    scalar = qwen_generate(mid, ids, lengths, seed=11, **SAMPLE)
     np.testing.assert_array_equal(same.tokens, scalar.tokens)
     np.testing.assert_array_equal(same.tokens[0], out.tokens[0])
     for r in (1, 2):  # another seed, another sample
         assert np.mean(same.tokens[r] != out.tokens[r]) > 0.3
-    none = decode.generate(mid, ids, lengths, seed=seeds, cache_mode="none", **SAMPLE)
+    none = qwen_generate(mid, ids, lengths, seed=seeds, cache_mode="none", **SAMPLE)
     for f in ("tokens", "lengths", "accepted", "row_forwards"):
         np.testing.assert_array_equal(getattr(none, f), getattr(out, f), err_msg=f)
     greedy = {**SAMPLE, "temperature": 0.0}
     np.testing.assert_array_equal(
-        decode.generate(mid, ids, lengths, seed=seeds, **greedy).tokens,
-        decode.generate(mid, ids, lengths, **greedy).tokens,
+        qwen_generate(mid, ids, lengths, seed=seeds, **greedy).tokens,
+        qwen_generate(mid, ids, lengths, **greedy).tokens,
     )
 
 
@@ -251,7 +251,7 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
 
     # The model now emits <|im_end|> exactly where it emitted `token`.
     model = swap_head_columns(mid, token, IM_END_ID)
-    out = decode.generate(model, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
+    out = qwen_generate(model, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
     assert out.lengths[row] == cut
     np.testing.assert_array_equal(out.tokens[row, :cut], original[:cut])
     assert np.all(out.tokens[row, cut:] == ENDOFTEXT_ID)
@@ -264,7 +264,7 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
     assert_matches_references(out, refs)
 
     # Without <|im_end|> among the EOS ids the row runs on past it.
-    out = decode.generate(
+    out = qwen_generate(
         model,
         ids,
         lengths,
@@ -280,11 +280,9 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
 @pytest.mark.parametrize("budget", [1, 5, 7])
 def test_max_new_tokens_is_respected(peaked, budget):
     ids, lengths, prompts = make_batch([3, 9, 6], seed=5)
-    full = decode.generate(
-        peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
-    )
+    full = qwen_generate(peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
     assert full.tokens_per_forward > 1.5 and np.all(full.lengths == MAX_NEW)
-    out = decode.generate(peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=budget)
+    out = qwen_generate(peaked, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=budget)
     assert out.tokens.shape == (3, budget)
     np.testing.assert_array_equal(out.lengths, budget)
     np.testing.assert_array_equal(out.accepted, budget)
@@ -299,20 +297,18 @@ def test_max_new_tokens_is_respected(peaked, budget):
 def test_sampling_is_seeded(flat, mid):
     ids, lengths, _ = make_batch([3, 9, 6], seed=6)
     kw = dict(block_size=4, threshold=0.9, max_new_tokens=MAX_NEW, temperature=1.0)
-    a = decode.generate(flat, ids, lengths, seed=0, **kw)
-    b = decode.generate(flat, ids, lengths, seed=0, **kw)
-    c = decode.generate(flat, ids, lengths, seed=1, **kw)
+    a = qwen_generate(flat, ids, lengths, seed=0, **kw)
+    b = qwen_generate(flat, ids, lengths, seed=0, **kw)
+    c = qwen_generate(flat, ids, lengths, seed=1, **kw)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.accepted, b.accepted)
     assert np.mean(a.tokens != c.tokens) > 0.5  # a near-uniform model: almost every token differs
-    greedy = decode.generate(
-        flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW
-    )
+    greedy = qwen_generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
     assert np.mean(a.tokens != greedy.tokens) > 0.5
     # Confidence is the sampled token's probability, tiny on a flat model: one token per forward.
     assert a.tokens_per_forward == 1.0
     # A uniform model (all logits 0): every draw is fresh, across steps and positions.
-    uniform = decode.generate(make_model(0.0), ids, lengths, seed=0, **kw)
+    uniform = qwen_generate(make_model(0.0), ids, lengths, seed=0, **kw)
     for row in uniform.tokens:
         assert len(set(row.tolist())) >= MAX_NEW - 2
     assert uniform.tokens_per_forward == 1.0
@@ -323,14 +319,14 @@ def test_sampling_is_seeded(flat, mid):
     shared = sorted(set(rows[0]) & set(rows[1]) & set(rows[2]))
     assert len(shared) == MAX_NEW - 6  # positions 9 .. 18
     assert all(rows[0][p] == rows[1][p] == rows[2][p] for p in shared)
-    apart = decode.generate(make_model(0.0), ids, lengths, seed=[0, 1, 2], **kw)
+    apart = qwen_generate(make_model(0.0), ids, lengths, seed=[0, 1, 2], **kw)
     assert all(by_position(apart, 0)[p] != by_position(apart, 1)[p] for p in shared)
     np.testing.assert_array_equal(apart.tokens[0], uniform.tokens[0])
     # Near-zero temperature samples the argmax: one-token mode then equals greedy decoding.
-    cold = decode.generate(
+    cold = qwen_generate(
         mid, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW, temperature=1e-4
     )
-    hot = decode.generate(mid, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW)
+    hot = qwen_generate(mid, ids, lengths, block_size=4, threshold=1.0, max_new_tokens=MAX_NEW)
     np.testing.assert_array_equal(cold.tokens, hot.tokens)
 
 
@@ -344,14 +340,14 @@ def test_invalid_arguments(flat):
         (ids[0], np.array([3])),  # not [R, P]
     ]:
         with pytest.raises(ValueError):
-            decode.generate(flat, bad_ids, bad_lengths, **kw)
+            qwen_generate(flat, bad_ids, bad_lengths, **kw)
     with pytest.raises(ValueError):
-        decode.generate(flat, ids, lengths, block_size=0, threshold=0.9, max_new_tokens=4)
+        qwen_generate(flat, ids, lengths, block_size=0, threshold=0.9, max_new_tokens=4)
     with pytest.raises(ValueError):
-        decode.generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=-1)
+        qwen_generate(flat, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=-1)
     for seed in (-1, 2**32, [1, 2, 3], [1], [[1], [2]], 1.5, [0.0, 1.0], True, "0"):
         with pytest.raises(ValueError, match="seed"):
-            decode.generate(flat, ids, lengths, seed=seed, **kw)
+            qwen_generate(flat, ids, lengths, seed=seed, **kw)
 
 
 def test_pad_prompts():
@@ -370,14 +366,14 @@ def test_generate_batched_equals_each_batch(mid):
     counts of decoding its own batch, in order; the summary counts are computed once."""
     _, _, prompts = make_batch([3, 9, 6, 4, 7], seed=7)
     kw = dict(block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
-    out = decode.generate_batched(mid, prompts, batch_size=2, pad_id=ENDOFTEXT_ID, **kw)
+    out = qwen_generate_batched(mid, prompts, batch_size=2, pad_id=ENDOFTEXT_ID, **kw)
     assert out.tokens.shape == (5, MAX_NEW)
     width = max(map(len, prompts))
     parts = []
     for i in range(0, 5, 2):
         ids, lengths = decode.pad_prompts(prompts[i : i + 2], ENDOFTEXT_ID, rows=2)
         ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=ENDOFTEXT_ID)
-        parts.append(decode.generate(mid, ids, lengths, **kw))
+        parts.append(qwen_generate(mid, ids, lengths, **kw))
     expected = decode.DecodeOutput.concatenate(parts, rows=5)
     for field in ("tokens", "lengths", "accepted", "row_forwards"):
         np.testing.assert_array_equal(getattr(out, field), getattr(expected, field), err_msg=field)
@@ -394,23 +390,23 @@ def test_generate_batched_gives_each_prompt_its_seed(mid):
     """A scalar seed gives prompt i the seed seed + i; a list gives each prompt its own. Either
     way a prompt's sample is the same whatever the batch size and the prompt order."""
     _, _, prompts = make_batch([3, 9, 6, 4, 7], seed=7)
-    by_two = decode.generate_batched(mid, prompts, batch_size=2, seed=7, **SAMPLE)
-    by_three = decode.generate_batched(mid, prompts, batch_size=3, seed=7, **SAMPLE)
-    backwards = decode.generate_batched(
+    by_two = qwen_generate_batched(mid, prompts, batch_size=2, seed=7, **SAMPLE)
+    by_three = qwen_generate_batched(mid, prompts, batch_size=3, seed=7, **SAMPLE)
+    backwards = qwen_generate_batched(
         mid, prompts[::-1], batch_size=5, seed=[11, 10, 9, 8, 7], **SAMPLE
     )
     for other, rows in [(by_three, slice(None)), (backwards, slice(None, None, -1))]:
         for f in ("tokens", "lengths", "accepted", "row_forwards"):
             np.testing.assert_array_equal(getattr(other, f)[rows], getattr(by_two, f), err_msg=f)
     for i in (0, 3):
-        alone = decode.generate(
+        alone = qwen_generate(
             mid, np.asarray([prompts[i]]), [len(prompts[i])], seed=7 + i, **SAMPLE
         )
         np.testing.assert_array_equal(alone.tokens[0], by_two.tokens[i])
-    greedy = decode.generate_batched(mid, prompts, batch_size=2, **{**SAMPLE, "temperature": 0.0})
+    greedy = qwen_generate_batched(mid, prompts, batch_size=2, **{**SAMPLE, "temperature": 0.0})
     assert np.mean(greedy.tokens != by_two.tokens) > 0.3
     with pytest.raises(ValueError, match="seed"):
-        decode.generate_batched(mid, prompts, batch_size=2, seed=[1, 2], **SAMPLE)
+        qwen_generate_batched(mid, prompts, batch_size=2, seed=[1, 2], **SAMPLE)
 
 
 def test_loop_ends_even_if_a_step_accepts_nothing(mid, monkeypatch):
@@ -426,7 +422,7 @@ def test_loop_ends_even_if_a_step_accepts_nothing(mid, monkeypatch):
     decode._generate.clear_cache()
     monkeypatch.setattr(decode, "_count", accept_nothing)
     try:
-        out = decode.generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=5)
+        out = qwen_generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=5)
     finally:
         monkeypatch.undo()
         decode._generate.clear_cache()  # no later test may reuse the patched trace

@@ -12,6 +12,7 @@ from decode_oracles import (
     Uncached,
     make_batch,
     make_model,
+    qwen_generate,
     reference_mars,
     swap_head_columns,
 )
@@ -27,11 +28,11 @@ def mid():
 def test_an_empty_prompt_is_refused_naming_its_row(mid):
     ids, _, _ = make_batch([3, 5, 4])
     with pytest.raises(ValueError, match=r"row 1 has 0 \(an empty prompt\)"):
-        decode.generate(mid, ids, np.array([3, 0, 4]), max_new_tokens=4, **KW)
+        qwen_generate(mid, ids, np.array([3, 0, 4]), max_new_tokens=4, **KW)
     with pytest.raises(ValueError, match=r"row 2 has 6"):
-        decode.generate(mid, ids, np.array([3, 5, 6]), max_new_tokens=4, **KW)
+        qwen_generate(mid, ids, np.array([3, 5, 6]), max_new_tokens=4, **KW)
     with pytest.raises(ValueError, match="no prompts"):
-        decode.generate(mid, ids[:0], np.zeros((0,), np.int32), max_new_tokens=4, **KW)
+        qwen_generate(mid, ids[:0], np.zeros((0,), np.int32), max_new_tokens=4, **KW)
 
 
 def test_a_zero_budget_gives_empty_completions_without_compiling(mid, monkeypatch):
@@ -42,7 +43,7 @@ def test_a_zero_budget_gives_empty_completions_without_compiling(mid, monkeypatc
 
     monkeypatch.setattr(decode, "_generate", never)
     calls = []
-    out = decode.generate(mid, ids, lengths, max_new_tokens=0, on_accept=calls.append, **KW)
+    out = qwen_generate(mid, ids, lengths, max_new_tokens=0, on_accept=calls.append, **KW)
     assert out.tokens.shape == (2, 0) and out.tokens.dtype == np.int32
     assert out.completions() == [[], []]
     np.testing.assert_array_equal(out.lengths, 0)
@@ -50,9 +51,9 @@ def test_a_zero_budget_gives_empty_completions_without_compiling(mid, monkeypatc
     assert out.forwards == 0 and out.tokens_per_forward == 0.0 and calls == []
     # The other arguments are still checked.
     with pytest.raises(ValueError, match="threshold"):
-        decode.generate(mid, ids, lengths, block_size=4, threshold=1.5, max_new_tokens=0)
+        qwen_generate(mid, ids, lengths, block_size=4, threshold=1.5, max_new_tokens=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        decode.generate(mid, ids, lengths, max_new_tokens=-1, **KW)
+        qwen_generate(mid, ids, lengths, max_new_tokens=-1, **KW)
 
 
 def test_batch_of_64_early_eos_and_special_tokens_in_prompts(mid):
@@ -68,16 +69,14 @@ def test_batch_of_64_early_eos_and_special_tokens_in_prompts(mid):
     model = swap_head_columns(mid, first, IM_END_ID)
     assert len(ref[1]) == MAX_NEW  # row 1 runs to the budget
 
-    out = decode.generate(model, ids, lengths, max_new_tokens=MAX_NEW, **KW)
+    out = qwen_generate(model, ids, lengths, max_new_tokens=MAX_NEW, **KW)
     assert out.tokens.shape == (64, MAX_NEW)
     assert out.lengths[0] == 0 and out.accepted[0] == 1 and out.row_forwards[0] <= 1
     np.testing.assert_array_equal(out.tokens[0], ENDOFTEXT_ID)  # cut and padded
     # The late row: its uncached reference (the prompt's <|mask|> read as a token) and itself
     # decoded alone, whatever the other 63 rows do.
     assert out.completions()[1] == ref[1]
-    alone = decode.generate(
-        model, ids[1:2, : lengths[1]], lengths[1:2], max_new_tokens=MAX_NEW, **KW
-    )
+    alone = qwen_generate(model, ids[1:2, : lengths[1]], lengths[1:2], max_new_tokens=MAX_NEW, **KW)
     np.testing.assert_array_equal(out.tokens[1], alone.tokens[0])
     assert (out.accepted[1], out.row_forwards[1]) == (alone.accepted[0], alone.row_forwards[0])
     assert out.forwards >= alone.forwards
@@ -88,6 +87,6 @@ def test_a_prompt_longer_than_any_training_context_decodes(mid):
     # model was never trained at all, let alone on 700 positions) decodes as the uncached
     # reference does, past the 512 positions of a small HF config.
     ids, lengths, prompts = make_batch([700, 3], seed=12)
-    out = decode.generate(mid, ids, lengths, max_new_tokens=MAX_NEW, **KW)
+    out = qwen_generate(mid, ids, lengths, max_new_tokens=MAX_NEW, **KW)
     fwd = Uncached(mid, ids.shape[1] + MAX_NEW + 4)
     assert out.completions()[0] == reference_mars(fwd, prompts[0], max_new=MAX_NEW, **KW)[0]

@@ -13,11 +13,10 @@ import pytest
 from flax import nnx
 
 from benchmarks import decode_speed as ds
-from mars_jax import decode
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID
 
-from decode_oracles import CFG
+from decode_oracles import CFG, qwen_generate_batched
 
 
 def make_model(scale: float = 300.0, **overrides) -> Qwen2:
@@ -103,9 +102,7 @@ def test_transformers_generates_our_greedy_tokens(subject):
     """Prompts of different lengths (left-padded for transformers, right-padded for us), two
     batches, 8 tokens each: the same completions, EOS included, and the same lengths."""
     kw = dict(batch_size=2, max_new_tokens=8, eos_ids=subject.eos_ids, pad_id=ENDOFTEXT_ID)
-    ours = decode.generate_batched(
-        subject.model, subject.prompts, block_size=1, threshold=1.0, **kw
-    )
+    ours = qwen_generate_batched(subject.model, subject.prompts, block_size=1, threshold=1.0, **kw)
     theirs = ds.transformers_generate(subject.hf, subject.prompts, **kw)
     assert theirs.completions() == ours.completions()
     np.testing.assert_array_equal(theirs.accepted, ours.accepted)
@@ -125,7 +122,7 @@ def test_no_eos_generates_the_whole_budget():
         eos_ids=(),
     )
     kw = dict(batch_size=2, max_new_tokens=5, eos_ids=(), pad_id=ENDOFTEXT_ID)
-    ours = decode.generate_batched(model, s.prompts, block_size=1, threshold=1.0, **kw)
+    ours = qwen_generate_batched(model, s.prompts, block_size=1, threshold=1.0, **kw)
     theirs = ds.transformers_generate(s.hf, s.prompts, **kw)
     assert IM_END_ID in ours.tokens
     np.testing.assert_array_equal(ours.lengths, [5, 5])

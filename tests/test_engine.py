@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import decode, engine
+from mars_jax import engine
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
-from decode_oracles import CFG, make_batch, make_model
+from decode_oracles import CFG, make_batch, make_model, qwen_engine, qwen_generate
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 3, 12, 16
 
@@ -27,7 +27,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def eng(model):
-    return engine.Engine(
+    return qwen_engine(
         model,
         slots=SLOTS,
         max_prompt_len=WIDTH,
@@ -39,7 +39,7 @@ def eng(model):
 
 def alone(model, request: engine.Request) -> list[int]:
     """The oracle: `decode.generate` of the request's prompt alone."""
-    out = decode.generate(
+    out = qwen_generate(
         model,
         np.asarray([request.prompt_ids], np.int32),
         np.asarray([len(request.prompt_ids)], np.int32),
@@ -101,7 +101,7 @@ def test_streamed_updates_add_up_and_threads_work(model, eng):
 
 
 def test_cancel_frees_the_slot(model):
-    eng = engine.Engine(
+    eng = qwen_engine(
         model, slots=1, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, steps_per_call=1
     )
     first, second = requests(2, seed=3)
@@ -139,7 +139,7 @@ def test_bad_requests_are_refused_by_field(eng, change, field):
 def test_static_batching_waits_for_an_empty_batch(model):
     """refill=False (the load benchmark's static baseline): a waiting request is admitted only
     once every slot is free; the completions are the same."""
-    eng = engine.Engine(
+    eng = qwen_engine(
         model,
         slots=SLOTS,
         max_prompt_len=WIDTH,
@@ -162,7 +162,7 @@ def test_static_batching_waits_for_an_empty_batch(model):
 def test_chunked_prefill_writes_the_one_forward_cache(model):
     """`Decoder.begin` + `prefill_chunk` over chunks of 5 leave the same keys/values in every
     prompt slot as `Decoder.prefill`'s one forward (the oracle), and the same cursors."""
-    eng = engine.Engine(
+    eng = qwen_engine(
         model, slots=1, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, prefill_chunk=5
     )
     request = engine.Request(tuple(range(3, 3 + WIDTH)), 4)  # every prompt slot used
@@ -190,7 +190,7 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model):
     """Chunks of 4: a 12-token prompt arriving while another request decodes takes three turns
     to prefill, and the decoding request receives tokens in each of them; both completions
     equal their prompts decoded alone, as do the prompts of every length in chunks of 5."""
-    eng = engine.Engine(
+    eng = qwen_engine(
         model,
         slots=2,
         max_prompt_len=WIDTH,
@@ -217,7 +217,7 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model):
     assert sum((u.tokens for u in got["first"]), []) == alone(model, first)
     assert sum((u.tokens for u in got["long"]), []) == alone(model, long)
 
-    eng5 = engine.Engine(
+    eng5 = qwen_engine(
         model, slots=3, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, prefill_chunk=5
     )
     reqs = requests(6, seed=13)
@@ -237,7 +237,7 @@ def test_a_trimmed_vocabulary_pads_with_its_own_id():
     small = Qwen2(dataclasses.replace(CFG, vocab_size=128), rngs=nnx.Rngs(3))
     small.norm.weight[...] = small.norm.weight[...] * 300.0
     kw = dict(slots=2, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, eos_ids=(1,))
-    eng = engine.Engine(small, pad_id=0, mask_id=127, prefill_chunk=5, **kw)
+    eng = qwen_engine(small, pad_id=0, mask_id=127, prefill_chunk=5, **kw)
     rng = np.random.default_rng(4)
     reqs = [
         engine.Request(tuple(rng.integers(2, 127, size=n).tolist()), MAX_NEW, threshold=t)
@@ -247,7 +247,7 @@ def test_a_trimmed_vocabulary_pads_with_its_own_id():
     while eng.run_once():
         pass
     for request, stream in zip(reqs, streams):
-        out = decode.generate(
+        out = qwen_generate(
             small,
             np.asarray([request.prompt_ids], np.int32),
             np.asarray([len(request.prompt_ids)], np.int32),
@@ -261,4 +261,4 @@ def test_a_trimmed_vocabulary_pads_with_its_own_id():
     with pytest.raises(InputError, match="^prompt: token id 151643 is not a row"):
         eng.submit(engine.Request((5, 151643), 4))
     with pytest.raises(InputError, match="^pad_id: 151643"):
-        engine.Engine(small, pad_id=151643, mask_id=127, **kw)
+        qwen_engine(small, pad_id=151643, mask_id=127, **kw)

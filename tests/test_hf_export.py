@@ -22,7 +22,7 @@ import yaml
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_jax import decode, evaluate, export, huggingface, sharding
+from mars_jax import evaluate, export, huggingface, sharding
 from mars_jax import workdir as wd
 from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.tokenizer import (
@@ -35,7 +35,10 @@ from mars_jax.tokenizer import (
 )
 
 from conftest import hf_logits, save_hf
-from decode_oracles import swap_head_columns
+from decode_oracles import qwen_generate, swap_head_columns
+
+# The offline Qwen2.5 tokenizer's ids, as export_run passes its run tokenizer's.
+QWEN_SPECIAL = huggingface.token_ids(load_tokenizer(None))
 
 QWEN_VOCAB = dict(
     vocab_size=151936,
@@ -59,7 +62,7 @@ def qwen_vocab(tmp_path_factory):
 
 def _ar(model, prompt):
     """Our AR greedy decode of one prompt: (completion ids before any stop id, its length)."""
-    out = decode.generate(
+    out = qwen_generate(
         model,
         np.asarray([prompt]),
         np.asarray([len(prompt)]),
@@ -83,7 +86,7 @@ def test_generate_on_the_export_stops_where_our_decoder_stops(qwen_vocab, tmp_pa
     ours, length = _ar(stopped, prompt)
     assert (ours, length) == (plain[:k], k)
     out = tmp_path / "export"
-    huggingface.export_hf(stopped, str(out))
+    huggingface.export_hf(stopped, str(out), special_ids=QWEN_SPECIAL)
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [IM_END_ID, ENDOFTEXT_ID] == list(DEFAULT_EOS_IDS)
     assert (generation["pad_token_id"], generation["do_sample"]) == (ENDOFTEXT_ID, False)
@@ -96,7 +99,7 @@ def test_generate_on_the_export_stops_where_our_decoder_stops(qwen_vocab, tmp_pa
     stopped = swap_head_columns(model, plain[k], IM_END_ID)
     ours, length = _ar(stopped, prompt)
     assert length == k
-    huggingface.export_hf(stopped, str(tmp_path / "im_end"))
+    huggingface.export_hf(stopped, str(tmp_path / "im_end"), special_ids=QWEN_SPECIAL)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "im_end"), dtype=torch.float32)
     with torch.no_grad():
         ids = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=BUDGET)[0].tolist()

@@ -20,7 +20,7 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_jax import decode, huggingface, sharding, vocab
+from mars_jax import huggingface, sharding, vocab
 from mars_jax import workdir as wd
 from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.lm_eval_adapter import MarsLM
@@ -28,7 +28,7 @@ from mars_jax.model import Qwen2
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
 
 from conftest import python_env, run_python
-from decode_oracles import CFG, make_model, swap_head_columns
+from decode_oracles import CFG, make_model, qwen_generate, qwen_generate_batched, swap_head_columns
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PREFIX = ENDOFTEXT_ID  # the context of an empty-context request
@@ -136,7 +136,7 @@ def test_chat_template_is_the_runs_as_transformers_renders_it(lm, oracle):
 def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
     tok = lm.tokenizer
     contexts = ["Question: What is 12 * 7?\nAnswer:", "<|im_start|>user\nHi<|im_end|>\n", "2+2="]
-    ar = decode.generate_batched(
+    ar = qwen_generate_batched(
         lm.model,
         [tok.encode(c) for c in contexts],
         batch_size=3,
@@ -165,7 +165,7 @@ def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
 def test_generate_until_decodes_at_the_threshold_and_block_size_of_the_run(run_dir):
     lm = MarsLM(workdir=run_dir, threshold=0.3, batch_size=2, max_gen_toks=12)
     contexts = ["Question: What is 12 * 7?\nAnswer:", "2+2="]
-    out = decode.generate_batched(
+    out = qwen_generate_batched(
         lm.model,
         [lm.tokenizer.encode(c) for c in contexts],
         batch_size=2,
@@ -197,7 +197,7 @@ def test_a_trimmed_run_decodes_in_its_ids_and_stops_at_its_eos(tmp_path):
     )
 
     def greedy(model):
-        return decode.generate(model, prompt, [prompt.shape[1]], **ar).completions()[0]
+        return qwen_generate(model, prompt, [prompt.shape[1]], **ar).completions()[0]
 
     # A random model whose greedy text runs past 3 tokens (small vocabularies often stop early).
     for seed in range(20):
@@ -375,7 +375,7 @@ def test_max_length_left_truncates_contexts_as_transformers_backend(run_dir, ora
 
     (text,) = lm.generate_until([Instance("generate_until", {}, (context, {"until": []}), 0)])
     kept = lm.tokenizer.encode(context)[-(12 - 4) :]
-    alone = decode.generate(
+    alone = qwen_generate(
         lm.model,
         np.asarray([kept], np.int32),
         np.asarray([len(kept)], np.int32),
@@ -412,7 +412,7 @@ def test_counts_and_seeds_are_per_request(run_dir):
         ]
     )
     ids = mixed.tokenizer.encode(ctx[1])
-    expected = decode.generate(
+    expected = qwen_generate(
         mixed.model,
         np.asarray([ids], np.int32),
         np.asarray([len(ids)], np.int32),

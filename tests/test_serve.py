@@ -20,11 +20,11 @@ import numpy as np
 import openai
 import pytest
 
-from mars_jax import decode, engine, serve, train
+from mars_jax import serve, train
 from mars_jax.tokenizer import load_tokenizer
 
 from conftest import ROOT, python_env
-from decode_oracles import make_model
+from decode_oracles import make_model, qwen_engine, qwen_generate
 from train_runs import get_config
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 4, 64, 24
@@ -47,7 +47,7 @@ def tok():
 
 
 def make(model, tok, **kw):
-    eng = engine.Engine(
+    eng = qwen_engine(
         model,
         slots=kw.pop("slots", SLOTS),
         max_prompt_len=WIDTH,
@@ -75,7 +75,7 @@ def live(model, tok):
 
 
 def alone(model, ids, max_tokens, threshold, temperature=0.0, seed=0) -> list[int]:
-    out = decode.generate(
+    out = qwen_generate(
         model,
         np.asarray([ids], np.int32),
         np.asarray([len(ids)], np.int32),

@@ -125,11 +125,14 @@ def test_special_ids(offline):
 
 
 @needs_qwen2
-def test_qwen2_dir_gets_all_control_tokens(qwen2):
-    assert len(qwen2) == 151666
-    for token_id, text, _ in T.CONTROL_TOKENS:
-        assert qwen2.encode(text) == [token_id]
-    assert qwen2.encode("<|mask|>") == [151665]
+def test_qwen2_dir_reads_its_own_control_tokens(qwen2):
+    """Qwen2's files declare three control tokens: nothing of Qwen2.5's layout is forced on them,
+    and <|mask|> goes right after them."""
+    assert len(qwen2) == 151647
+    assert (qwen2.pad_id, qwen2.eos_id, qwen2.eos_ids) == (151643, 151645, (151645,))
+    assert (qwen2.mask_id, qwen2.mask_declared) == (151646, False)
+    assert qwen2.encode("<|im_start|><|im_end|><|mask|>") == [151644, 151645, 151646]
+    assert len(qwen2.encode("<|object_ref_start|>")) > 1  # a Qwen2.5 token: text here
 
 
 def test_offline_default_renders_qwen25_template(offline):
@@ -184,25 +187,35 @@ def test_chat_template_jinja_file_wins(offline, tmp_path):
     )
 
 
-@needs_qwen2
-def test_conflicting_special_token_in_config_raises(tmp_path):
-    for name in ("vocab.json", "merges.txt"):
-        shutil.copy(QWEN2_DIR / name, tmp_path / name)
-    config = json.loads((QWEN2_DIR / "tokenizer_config.json").read_text())
-    config["added_tokens_decoder"]["151646"] = {"content": "<|other|>", "special": True}
+def test_conflicting_special_token_in_config_raises(offline, tmp_path):
+    offline.save(str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"]["151644"]["content"] = "<|start|>"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"tokenizer_config\.json: id 151646"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokenizer_config\.json: id 151644 is '<\|start\|>', but .*tokenizer\.json",
+    ):
         T.load_tokenizer(str(tmp_path))
 
 
-def test_conflicting_special_token_in_tokenizer_json_raises(offline, tmp_path):
+@needs_qwen2
+def test_a_gap_in_the_added_ids_raises(tmp_path):
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(QWEN2_DIR / name, tmp_path / name)
+    config = json.loads((QWEN2_DIR / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"]["151650"] = {"content": "<|other|>", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"cannot add '<\|other\|>' at id 151650: ids before"):
+        T.load_tokenizer(str(tmp_path))
+
+
+def test_a_role_naming_no_token_raises(offline, tmp_path):
     offline.save(str(tmp_path))
-    (tmp_path / "tokenizer_config.json").unlink()
-    spec = json.loads((tmp_path / "tokenizer.json").read_text())
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] <= 151644]
-    spec["added_tokens"][-1]["content"] = "<|start|>"
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=r"tokenizer\.json: id 151644"):
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["pad_token"] = "<|pad|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"pad_token '<\|pad\|>' is not a token of"):
         T.load_tokenizer(str(tmp_path))
 
 

@@ -21,7 +21,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from mars_jax import decode, evaluate, export, generate, objectives, train, train_step
+from mars_jax import evaluate, export, generate, objectives, train, train_step
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, eval_examples
 from mars_jax.checkpoints import Checkpoints
@@ -31,6 +31,7 @@ from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
 
 from conftest import python_env, run_python
+from decode_oracles import qwen_generate
 from train_runs import LR, ROOT, cli_flags, flat_params, get_config
 
 
@@ -440,7 +441,7 @@ def test_evaluate_in_process(stage1, evaluation):
     ids = np.full((4, max(map(len, prompts))), tok.pad_id, np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
-    out = decode.generate(
+    out = qwen_generate(
         model,
         ids,
         np.asarray([len(p) for p in prompts]),
@@ -511,7 +512,7 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
     ids = np.full((2, max(map(len, prompts))), tok.pad_id, np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
-    expected = decode.generate(
+    expected = qwen_generate(
         model,
         ids,
         np.asarray([len(p) for p in prompts]),

@@ -34,8 +34,10 @@ from mars_jax.tokenizer import (
 )
 
 from conftest import tiny_config
+from decode_oracles import qwen_generate
 
 CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
+QWEN_CONTROL = (ENDOFTEXT_ID, IM_START_ID, IM_END_ID)
 
 
 TRIMMED_RUN = {
@@ -98,13 +100,15 @@ def test_missing_ids_and_bad_maps_are_refused():
 
 def test_build_keeps_data_controls_mask_and_lowest_fillers():
     data_ids = [np.array([500, 7, 7, 151645]), np.array([[9000, 3], [3, 500]])]
-    vocab_map = vocab.build(data_ids, mask_id=151665, vocab_size=151666)
+    vocab_map = vocab.build(data_ids, mask_id=151665, vocab_size=151666, control_ids=QWEN_CONTROL)
     needed = {500, 7, 9000, 3} | CONTROL
     fillers = [i for i in range(151666) if i not in needed][: 128 - len(needed)]
     assert vocab_map.ids.tolist() == sorted(needed | set(fillers))
     assert len(vocab_map) == 128
     with pytest.raises(ValueError, match="outside"):
-        vocab.build([np.array([151666])], mask_id=151665, vocab_size=151666)
+        vocab.build(
+            [np.array([151666])], mask_id=151665, vocab_size=151666, control_ids=QWEN_CONTROL
+        )
 
 
 def test_save_and_load(tmp_path):
@@ -120,7 +124,7 @@ def test_mapped_tokenizer_speaks_model_ids():
     tok = load_tokenizer()
     text = "<|im_start|>user\n12 + 30 = 42<|im_end|>"
     qwen = tok.encode(text)
-    vocab_map = vocab.build([np.array(qwen)], tok.mask_id, len(tok))
+    vocab_map = vocab.build([np.array(qwen)], tok.mask_id, len(tok), control_ids=QWEN_CONTROL)
     mapped = vocab.MappedTokenizer(tok, vocab_map)
     index = {int(q): m for m, q in enumerate(vocab_map.ids)}
     assert mapped.encode(text) == [index[q] for q in qwen]
@@ -221,7 +225,7 @@ def test_generate_returns_qwen_ids(trimmed):
         [index[q] for q in tok.apply_chat_template([{"role": "user", "content": p}], True)]
         for p in prompts
     ]
-    out = decode.generate(
+    out = qwen_generate(
         model,
         *decode.pad_prompts(prompt_ids, index[ENDOFTEXT_ID]),
         block_size=4,

@@ -11,7 +11,7 @@ from flax import nnx
 from mars_jax import decode, sharding
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
 
-from decode_oracles import MAX_NEW, make_batch, make_model
+from decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def result():
         "verify": dict(threshold=0.5, rule="verify"),
     }.items():
         kw = {"block_size": 4, "max_new_tokens": MAX_NEW, **kw}
-        one = decode.generate(model, ids, lengths, **kw)
-        sharded = decode.generate(placed, ids, lengths, mesh=mesh, axis_rules=rules, **kw)
+        one = qwen_generate(model, ids, lengths, **kw)
+        sharded = qwen_generate(placed, ids, lengths, mesh=mesh, axis_rules=rules, **kw)
         out[name] = {
             f: [np.asarray(getattr(o, f)).tolist() for o in (one, sharded)]
             for f in ("tokens", "accepted", "row_forwards")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import decode, engine, sharding
+from mars_jax import engine, sharding
 
-from decode_oracles import MAX_NEW, make_batch, make_model
+from decode_oracles import MAX_NEW, make_batch, make_model, qwen_engine, qwen_generate
 
 B = 4
 
@@ -24,7 +24,7 @@ def result():
     placed = nnx.merge(
         graphdef, jax.device_put(state, sharding.param_shardings(state, mesh, rules))
     )
-    eng = engine.Engine(
+    eng = qwen_engine(
         placed,
         slots=4,
         max_prompt_len=12,
@@ -55,7 +55,7 @@ def result():
     got = [s.result(timeout=1)[0] for s in streams]
     alone = []
     for r in reqs:
-        out = decode.generate(
+        out = qwen_generate(
             model,
             np.asarray([r.prompt_ids], np.int32),
             np.asarray([len(r.prompt_ids)], np.int32),

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import decode, huggingface, sharding
+from mars_jax import huggingface, sharding
 from mars_jax import model as model_lib
 
 from conftest import TINY, save_hf
+from decode_oracles import qwen_generate
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -30,8 +31,8 @@ def result(request, tmp_path_factory):
     lengths = np.asarray([5, 3, 6, 2], np.int32)
     kw = dict(block_size=4, threshold=0.5, max_new_tokens=10, eos_ids=(TINY["vocab_size"] - 2,))
     kw["mask_id"] = TINY["vocab_size"] - 1
-    one = decode.generate(host, ids, lengths, **kw)
-    sharded = decode.generate(placed, ids, lengths, mesh=mesh, axis_rules=rules, **kw)
+    one = qwen_generate(host, ids, lengths, **kw)
+    sharded = qwen_generate(placed, ids, lengths, mesh=mesh, axis_rules=rules, **kw)
     attn = placed.layers.self_attn
     shard = lambda p: list(p.sharding.shard_shape(p.shape))
     return dict(
