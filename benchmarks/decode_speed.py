@@ -99,7 +99,7 @@ from mars_jax import config as config_lib
 from mars_jax.batches import eval_examples, eval_source
 from mars_jax.kv_cache import init_cache
 from mars_jax.model import Qwen2
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID
+from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
 MODELS = ("trained", "qwen0_5b_shape", "qwen7b_shape", "tiny_shape")
 # MARS decoders: the `decode.generate` keywords besides block size and threshold.
@@ -156,8 +156,8 @@ class Subject:
     block_size: int
     max_new_tokens: int
     eos_ids: tuple[int, ...]
-    pad_id: int = ENDOFTEXT_ID
-    mask_id: int = MASK_ID
+    pad_id: int
+    mask_id: int | None  # None: not a MARS model (ar and transformers only)
     min_prompts: int = 1
     one_threshold: bool = False
     none_max_batch: int | None = None
@@ -192,8 +192,8 @@ def make_subject(
     model: Qwen2,
     prompts,
     *,
-    eos_ids=DEFAULT_EOS_IDS,
-    pad_id: int = ENDOFTEXT_ID,
+    eos_ids: Sequence[int],
+    pad_id: int,
     **fields,
 ) -> Subject:
     """A `Subject` of ``model`` with its transformers twin (`load_transformers`); ``fields``
@@ -210,6 +210,7 @@ def build_subjects(
     batch_sizes: Sequence[int],
     workdir: str | None = None,
     config=None,
+    block_size: int | None = None,
     num_prompts: int = 64,
     max_new_tokens: int = 128,
     shape_prompt_len: int = 40,
@@ -233,7 +234,7 @@ def build_subjects(
                     name,
                     model,
                     prompts,
-                    block_size=sources.block_size(workdir),
+                    block_size=sources.block_size(workdir, block_size),
                     max_new_tokens=max_new_tokens,
                     eos_ids=vocab.stop_ids(tok),
                     pad_id=tok.pad_id,
@@ -257,6 +258,8 @@ def build_subjects(
                     block_size=block_size,
                     max_new_tokens=shape_max_new_tokens,
                     eos_ids=(),
+                    pad_id=ENDOFTEXT_ID,
+                    mask_id=MASK_ID,
                     one_threshold=True,
                     none_max_batch=4,
                 )
@@ -405,12 +408,12 @@ def benchmark(
                 for d in DECODERS
                 if d == "ar" or d in decoders
                 if not (d == "none" and batch > (s.none_max_batch or batch))
+                if not (d in MARS and s.mask_id is None)  # a plain AR model: ar, transformers
                 for t in (mars if d in MARS else [1.0])
             ]
-            prefills = {
-                "jax_1": prefill_run(s, "jax", batch=batch, block_size=1),
-                "jax_b": prefill_run(s, "jax", batch=batch, block_size=s.block_size),
-            }
+            prefills = {"jax_1": prefill_run(s, "jax", batch=batch, block_size=1)}
+            if s.mask_id is not None:
+                prefills["jax_b"] = prefill_run(s, "jax", batch=batch, block_size=s.block_size)
             if "transformers" in decoders:
                 prefills["transformers"] = prefill_run(s, "transformers", batch=batch, block_size=1)
             runs = [decoder_run(s, d, batch=batch, threshold=t) for d, t in configs]
@@ -424,7 +427,7 @@ def benchmark(
                 tokens = int(out.accepted.sum())
                 speedup = tokens / sec / ar
                 pre = {"ar": prefill["jax_1"], "none": 0.0}.get(
-                    decoder, prefill.get(decoder, prefill["jax_b"])
+                    decoder, prefill.get(decoder, prefill.get("jax_b", 0.0))
                 )
                 # transformers' first token comes from its prefill.
                 steps = out.forwards - (len(out.lengths) // batch) * (decoder == "transformers")
@@ -517,7 +520,12 @@ def write(rows: Sequence[dict], output_dir: str, header: str = "") -> None:
 
 def main() -> None:
     config = cli.config_flag(help="Config of the trained run (its eval data gives the prompts).")
-    workdir = flags.DEFINE_string("workdir", None, "Trained run directory (--model=trained).")
+    workdir = flags.DEFINE_string(
+        "workdir", None, "Trained run or Hugging Face directory (--model=trained)."
+    )
+    block_size = flags.DEFINE_integer(
+        "block_size", None, "--model=trained: block size (default: the run's, or mars_block_size)."
+    )
     models = flags.DEFINE_list(
         "model", ["both"], f"Models: both (trained, qwen0_5b_shape), or a list of {MODELS}."
     )
@@ -625,6 +633,7 @@ def main() -> None:
             batch_sizes=sizes,
             workdir=workdir.value,
             config=config.value,
+            block_size=block_size.value,
             num_prompts=num_prompts.value,
             max_new_tokens=max_new.value,
             shape_prompt_len=shape_len.value,

@@ -48,7 +48,7 @@ from flax import nnx
 
 from mars_jax import decode
 from mars_jax.model import ModelConfig, abstract_model
-from mars_jax.tokenizer import MASK_ID
+from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
 MODES = ("ar", "sliding", "sliding_fixed", "block")
 SHAPES = ("tiny", "qwen0_5b", "qwen7b")
@@ -120,7 +120,7 @@ def prefill(
 ) -> decode.DecodeState:
     """The state after prefilling ``rows`` random prompts of ``prompt_len`` tokens, each row
     accepting exactly ``accept`` tokens per forward from then on."""
-    ids = np.random.default_rng(seed).integers(0, decode.ENDOFTEXT_ID, (rows, prompt_len))
+    ids = np.random.default_rng(seed).integers(0, ENDOFTEXT_ID, (rows, prompt_len))
     return decoder.prefill(
         params,
         jnp.asarray(ids, jnp.int32),

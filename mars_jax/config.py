@@ -53,6 +53,11 @@ def defaults(stage: str = "ar") -> ml_collections.ConfigDict:
             "init_from": "",
             # "" = the tokenizer of init_from if set, else the offline Qwen2.5 tokenizer.
             "tokenizer_path": "",
+            # With init_from a Hugging Face directory whose vocabulary fills its embedding
+            # (SmolLM2, Llama 3) and whose tokenizer has no <|mask|>: add <|mask|> as a new
+            # embedding row (rows padded to a multiple of 128, initialised as transformers'
+            # resize_token_embeddings does), written to the run's tokenizer and exports.
+            "add_mask_token": False,
             # Used for random init only; init_from brings its own architecture (dtypes, remat and
             # attention always come from here).
             "model": {

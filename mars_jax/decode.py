@@ -83,7 +83,7 @@ class DecodeOutput:
     """Result of `generate` for a batch of R prompts.
 
     tokens: int32 [R, max_new_tokens], the completion cut before the first EOS, then padded with
-      <|endoftext|>. lengths: int32 [R], completion lengths (EOS excluded).
+      the first of ``eos_ids`` (a real token). lengths: int32 [R], completion lengths (EOS excluded).
     accepted: int32 [R], tokens accepted per row, the EOS included (what the forwards produced).
     row_forwards: int32 [R], decoding forwards in which each row was still active (in ``block``
       mode this includes forwards spent waiting for other rows and writing blocks to the cache).

@@ -392,3 +392,49 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, rules: Rules):
 def causal_mask(t: int) -> np.ndarray:
     """bool [1, T, T]: query t attends to keys s <= t (numpy: a static pattern)."""
     return np.tril(np.ones((t, t), bool))[None]
+
+
+# A vocabulary grown for an added token keeps this many rows' multiple (the vocab axis then
+# still splits over any power-of-two tensor axis up to it).
+ROW_MULTIPLE = 128
+
+
+def grown_vocab_size(rows: int, needed: int) -> int:
+    """The embedding rows of a ``rows``-row model that must also hold id ``needed - 1``:
+    ``needed`` rounded up to a multiple of `ROW_MULTIPLE` (``rows`` when it has them)."""
+    return rows if needed <= rows else -(-needed // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def mean_rows(table: jax.Array, new_rows: int, key: jax.Array) -> jax.Array:
+    """``new_rows`` rows to append to ``table`` [V, D], initialised as transformers'
+    ``resize_token_embeddings`` does by default (``mean_resizing``): drawn from a normal with
+    the rows' mean and 1e-9 times their covariance (the mean itself where that covariance is
+    not positive definite), so an added token starts where the average token is and no logit
+    of the old rows moves. float32 [new_rows, D]."""
+    x = table.astype(jnp.float32)
+    mean = x.mean(axis=0)
+    centered = x - mean
+    covariance = centered.T @ centered / x.shape[0]
+    chol = jnp.linalg.cholesky(1e-9 * covariance)
+    noise = jax.random.normal(key, (new_rows, x.shape[1]), jnp.float32) @ chol.T
+    noise = jnp.where(jnp.all(jnp.isfinite(chol)), noise, 0.0)
+    return mean[None] + noise
+
+
+def add_vocab_rows(params: nnx.State, cfg: ModelConfig, rows: int, seed: int = 0) -> nnx.State:
+    """``params`` of ``cfg`` with its embedding [V, D] (and an untied head's kernel [D, V])
+    grown from ``cfg.vocab_size`` to ``rows`` rows (`mean_rows`), every other leaf unchanged.
+    Pure: jit it with the grown model's shardings as ``out_shardings``."""
+    new = rows - cfg.vocab_size
+    embed_key, head_key = jax.random.split(jax.random.key(seed))
+
+    def grow(path, x):
+        names = tuple(getattr(k, "key", None) for k in path)
+        if names[:2] == ("embed_tokens", "embedding"):
+            return jnp.concatenate([x, mean_rows(x, new, embed_key).astype(x.dtype)])
+        if names[:2] == ("lm_head", "kernel"):
+            extra = mean_rows(x.T, new, head_key).T.astype(x.dtype)
+            return jnp.concatenate([x, extra], axis=1)
+        return x
+
+    return jax.tree_util.tree_map_with_path(grow, params)

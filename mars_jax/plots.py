@@ -49,6 +49,33 @@ def pareto_plot(runs: dict[str, list[dict]], path: str, *, title: str = ""):
     return fig
 
 
+def loss_plot(runs: dict[str, list[dict]], path: str, *, keys=("loss",), title: str = ""):
+    """Plots training metrics against the step, one line per (run, key), and saves it.
+
+    ``runs`` maps a label to its metrics records (metrics.jsonl's dicts with ``step`` and each
+    of ``keys``; a record whose value is null, a skipped step, is left out). Returns the
+    ``Figure``. Raises ValueError for no runs.
+    """
+    from matplotlib.figure import Figure
+
+    if not runs:
+        raise ValueError(f"nothing to plot in {path}")
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for label, records in runs.items():
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), label=f"{label}: {key}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return fig
+
+
 def format_table(report: dict) -> str:
     """The evaluation results as a Markdown table (speedup and conversion "-" in a report
     written before they were measured)."""

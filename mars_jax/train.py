@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -59,7 +60,13 @@ from mars_jax.batches import batched_dataset, build_examples, eval_examples, eva
 from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.errors import InputError, SettingError
 from mars_jax.metrics import MetricsWriter
-from mars_jax.model import ModelConfig, Qwen2, abstract_params
+from mars_jax.model import (
+    ModelConfig,
+    Qwen2,
+    abstract_params,
+    add_vocab_rows,
+    grown_vocab_size,
+)
 from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import SYNTHETIC, load_rows, read_rows
 from mars_jax.tokenizer import load_tokenizer
@@ -116,10 +123,30 @@ def check_init_from(cfg, workdir: str) -> None:
         )
 
 
-def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.State:
+def with_mask_row(cfg, model_cfg: ModelConfig, tok) -> ModelConfig:
+    """``model_cfg`` grown to hold the tokenizer's mask id (`model.grown_vocab_size`) where
+    ``add_mask_token`` is set, ``init_from`` is a Hugging Face directory and the mask has no
+    row; else ``model_cfg`` unchanged."""
+    if not (cfg.add_mask_token and cfg.init_from) or wd.is_workdir(cfg.init_from):
+        return model_cfg
+    rows = grown_vocab_size(model_cfg.vocab_size, tok.mask_id + 1)
+    if rows != model_cfg.vocab_size:
+        logging.info(
+            "add_mask_token: <|mask|> is id %d, a new row: %d embedding rows (from %d)",
+            tok.mask_id,
+            rows,
+            model_cfg.vocab_size,
+        )
+    return dataclasses.replace(model_cfg, vocab_size=rows)
+
+
+def initial_params(
+    cfg, model_cfg: ModelConfig, abstract: nnx.State, mesh=None, rules=None
+) -> nnx.State:
     """Parameters of a fresh run, placed as ``abstract`` (leaves with shardings): random (seed
     ``cfg.seed``), from a HF directory (each process reading only its devices' parts, see
-    `huggingface.load_hf_sharded`), or from the latest checkpoint of another run."""
+    `huggingface.load_hf_sharded`; rows `with_mask_row` adds are appended, `add_vocab_rows`),
+    or from the latest checkpoint of another run."""
     if not cfg.init_from:
         shardings = sharding.shardings_of(abstract)
         init = jax.jit(
@@ -132,7 +159,14 @@ def initial_params(cfg, model_cfg: ModelConfig, abstract: nnx.State) -> nnx.Stat
         logging.info("initialized from %s step %d", cfg.init_from, step)
         return params
     logging.info("initialized from Hugging Face checkpoint %s", cfg.init_from)
-    return huggingface.load_hf_sharded(cfg.init_from, model_cfg, abstract)
+    stored = huggingface.read_hf_config(cfg.init_from).vocab_size
+    if stored == model_cfg.vocab_size:
+        return huggingface.load_hf_sharded(cfg.init_from, model_cfg, abstract)
+    small = dataclasses.replace(model_cfg, vocab_size=stored)
+    _, small_abstract = abstract_params(small, mesh, rules)
+    params = huggingface.load_hf_sharded(cfg.init_from, small, small_abstract)
+    grow = functools.partial(add_vocab_rows, cfg=small, rows=model_cfg.vocab_size, seed=cfg.seed)
+    return jax.jit(grow, out_shardings=sharding.shardings_of(abstract))(params)
 
 
 def check_token_rows(tok, rows: int, source: str) -> None:
@@ -147,8 +181,9 @@ def check_token_rows(tok, rows: int, source: str) -> None:
     if not 0 <= tok.mask_id < rows:
         raise InputError(
             f"{source}: <|mask|> id {tok.mask_id} has no row in the model's {rows}-row embedding; "
-            "name an unused token that has one as mask_token in tokenizer_config.json (for "
-            "Llama 3, one of its <|reserved_special_token_N|>)"
+            "set add_mask_token=True to add it as a new row, or name an unused token that has "
+            "one as mask_token in tokenizer_config.json (for Llama 3, one of its "
+            "<|reserved_special_token_N|>)"
         )
 
 
@@ -252,6 +287,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         tok = vocab.MappedTokenizer(tok, vocab_map)
         model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab_map))
         logging.info("trimmed vocabulary: %d rows", len(vocab_map))
+    model_cfg = with_mask_row(cfg, model_cfg, tok)
     check_token_rows(tok, model_cfg.vocab_size, tokenizer_source(cfg) or "the Qwen2.5 tokenizer")
     t = cfg.train
     if len(examples) < t.batch_size:
@@ -300,7 +336,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     )
     if start is None:
         logging.info("no checkpoint in %s: starting a fresh run", workdir)
-        params = initial_params(cfg, model_cfg, abstract)
+        params = initial_params(cfg, model_cfg, abstract, mesh, rules)
         opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
         state = TrainState(params, opt_state, data_position=0)
         if distributed.is_primary():

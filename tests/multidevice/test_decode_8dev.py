@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from mars_jax import decode, sharding
-from mars_jax.tokenizer import DEFAULT_EOS_IDS
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID
 
 from decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate
 
@@ -48,7 +48,7 @@ def result():
         block_size=4,
         max_new_tokens=MAX_NEW,
         eos_ids=DEFAULT_EOS_IDS,
-        mask_id=decode.MASK_ID,
+        mask_id=MASK_ID,
         sampling=False,
         cache_mode="sliding",
         rule="prob",

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct on GSM8K train: MARS and its AR control, both from the instruct model,
+# then the evaluation of the untuned model, the control and MARS, and the report.
+#   bash launch/smollm2_gsm8k.sh RUN_DIR [--config.key=value ...]
+# Extra flags go to every train and evaluate command. Re-running resumes each step.
+set -euo pipefail
+run=${1:?run directory}; shift
+config=configs/smollm2_gsm8k.py
+python -m tools.smollm2 --link=models/smollm2
+python -m mars_jax.train --config="$config:mars" --workdir="$run/mars" "$@"
+python -m mars_jax.train --config="$config:ar" --workdir="$run/ar" "$@"
+# The untuned model: a directory of links to its files (evaluate writes its report there).
+mkdir -p "$run/untuned"
+for f in models/smollm2/*; do ln -sfn "$(realpath "$f")" "$run/untuned/$(basename "$f")"; done
+python -m mars_jax.evaluate --config="$config:ar" --workdir="$run/untuned" "$@"
+python -m mars_jax.evaluate --config="$config:ar" --workdir="$run/ar" "$@"
+python -m mars_jax.evaluate --config="$config:mars" --workdir="$run/mars" "$@"
+python -m experiments.smollm2_report --run="$run" --output_dir="$run/results"
