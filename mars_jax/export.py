@@ -6,10 +6,10 @@ r"""Export: write a run's checkpoint as a Hugging Face directory.
 From Python: ``export.export_run("runs/mars", "hf_out")``.
 
 The directory (config.json, generation_config.json, safetensors weights, tokenizer files with
-<|mask|> = 151665 as the mask token and the chat template) loads with
-``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``, so a MARS model serves anywhere an
-AR Qwen2.5 does (one-token mode needs no special decoder): generation_config.json makes
-``generate`` greedy and stop at <|im_end|> or <|endoftext|>, as `mars_jax.decode` does.
+the run's mask token and chat template) loads with ``transformers.AutoModelForCausalLM`` /
+``AutoTokenizer``, so a MARS model serves anywhere its AR base model does (one-token mode needs
+no special decoder): generation_config.json makes ``generate`` greedy and stop at the
+tokenizer's stop ids, as `mars_jax.decode` does.
 config.json also records ``mask_token_id`` and ``mars_block_size`` (the block size the run was
 trained with) for a MARS decoder. README.md is a model card (`model_card`): block size, mask
 token, recommended thresholds, the training objective, the run's latest evaluation and how to
@@ -76,6 +76,7 @@ def export_run(
         block_size=block_size,
         eval_report=report,
         base_model=base_model,
+        family=model.cfg.family,
     )
     storage.write_text(storage.join(output, "README.md"), card)
     logging.info("exported %s step %d to %s", workdir, step, output)
@@ -91,10 +92,11 @@ def model_card(
     block_size: int,
     eval_report: dict | None = None,
     base_model: str | None = None,
+    family: str = "qwen2",
 ) -> str:
     """The Hugging Face model card (README.md text) of checkpoint ``step`` of the run in
     ``workdir``: YAML metadata (``library_name: transformers``, ``base_model`` when given, tags
-    mars and qwen2), then the training block size, the mask token and id of ``tok``, the
+    mars and the model ``family``), then the training block size, the mask token and id of ``tok``, the
     objective (name, ``ar_weight``, normalization) and ``init_from`` of ``run_config`` (the
     run's config.json as a dict), the recommended thresholds, the table of ``eval_report`` (the
     run's eval.json, `plots.format_table`) when given, and how to decode with MARS
@@ -106,7 +108,7 @@ def model_card(
     metadata = ["library_name: transformers"]
     if base_model:
         metadata.append(f"base_model: {json.dumps(base_model)}")
-    metadata += ["tags:", "- mars", "- qwen2"]
+    metadata += ["tags:", "- mars", f"- {family}"]
     if objective["name"] == "mars":
         about = "fine-tuned with the MARS objective"
     else:
@@ -121,7 +123,7 @@ def model_card(
         "",
         "# MARS checkpoint",
         "",
-        "A Qwen2.5-architecture causal LM "
+        f"A causal LM ({family} architecture) "
         f"{about} (Mask AutoRegression, [arXiv 2604.07023](https://arxiv.org/abs/2604.07023)), "
         "exported by mars-jax. MARS adds no parameters or heads: one checkpoint decodes exactly "
         "like an autoregressive model one token per forward, or several tokens per forward where "
@@ -137,7 +139,9 @@ def model_card(
         f"| exported from | run `{workdir}`, step {step} |",
         "",
         "config.json records `mask_token_id` and `mars_block_size`; generation_config.json makes "
-        "`generate` greedy and stop at `<|im_end|>` (151645) or `<|endoftext|>` (151643).",
+        "`generate` greedy and stop at "
+        + " or ".join(f"`{tok.id_to_token(i)}` ({i})" for i in tok.eos_ids)
+        + ".",
         "",
         "## Recommended thresholds",
         "",

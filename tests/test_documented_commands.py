@@ -255,6 +255,11 @@ REGISTRY = [
         Smoke("run_smollm2_tool", "the link made in a temporary folder; its config.json read"),
     ),
     (
+        "real_model_parity",
+        r"PYTHONPATH=\. python benchmarks/real_model_parity\.py --workdir=models/smollm2 .*",
+        Smoke("run_real_model_parity", "on SmolLM2, 4 tokens a prompt; fp32 agrees on all 8"),
+    ),
+    (
         "smollm2_generate",
         r"python -m mars_jax\.generate --workdir=models/smollm2 --block_size=1 .*",
         Covered(
@@ -1037,6 +1042,17 @@ def run_smollm2_tool(commands, request, tmp_path):
         out = run_command(command, subs={"models/smollm2": link}).stdout
         assert link.is_symlink() and (link / "config.json").exists()
         assert out.strip() == str(link.resolve())
+
+
+def run_real_model_parity(commands, request, tmp_path):
+    for command in commands:
+        out = tmp_path / "parity.json"
+        subs = resolve_subs(command, request)
+        run_command(command, ["--max_new_tokens=4", f"--output={out}"], subs=subs)
+        report = json.loads(out.read_text())
+        assert report["prompts"] == 8 and report["max_new_tokens"] == 4
+        assert report["float32"]["prompts_equal"] == 1.0, report
+        assert 0.0 <= report["bfloat16"]["mean_prefix_fraction"] <= 1.0
 
 
 def run_export(commands, request, tmp_path):
