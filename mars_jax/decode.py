@@ -83,7 +83,7 @@ class DecodeOutput:
     """Result of `generate` for a batch of R prompts.
 
     tokens: int32 [R, max_new_tokens], the completion cut before the first EOS, then padded with
-      the first of ``eos_ids`` (a real token). lengths: int32 [R], completion lengths (EOS excluded).
+      the last of ``eos_ids`` (id 0 without any). lengths: int32 [R], completion lengths (EOS excluded).
     accepted: int32 [R], tokens accepted per row, the EOS included (what the forwards produced).
     row_forwards: int32 [R], decoding forwards in which each row was still active (in ``block``
       mode this includes forwards spent waiting for other rows and writing blocks to the cache).
@@ -804,7 +804,7 @@ class Decoder:
         within = jnp.arange(n)[None] < s.new_tokens[:, None]
         is_eos = jnp.isin(out, eos) & within
         lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), s.new_tokens)
-        filler = self.settings.eos_ids[0] if self.settings.eos_ids else 0  # a real token
+        filler = self.settings.eos_ids[-1] if self.settings.eos_ids else 0  # a real token
         out = jnp.where(jnp.arange(n)[None] < lengths[:, None], out, filler)
         return DecodeResult(
             out, lengths.astype(jnp.int32), s.new_tokens, s.row_forwards, s.forwards

@@ -254,7 +254,7 @@ def test_eos_cuts_the_output_inside_a_multi_token_step(mid):
     out = qwen_generate(model, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=MAX_NEW)
     assert out.lengths[row] == cut
     np.testing.assert_array_equal(out.tokens[row, :cut], original[:cut])
-    assert np.all(out.tokens[row, cut:] == IM_END_ID)  # filled with the first stop id
+    assert np.all(out.tokens[row, cut:] == ENDOFTEXT_ID)  # filled with the last stop id
     assert out.accepted[row] == cut + 1  # the EOS is counted, nothing after it
     assert IM_END_ID not in out.tokens.ravel().tolist()
     fwd2 = Uncached(model, ids.shape[1] + MAX_NEW + 4)

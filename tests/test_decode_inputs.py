@@ -72,7 +72,7 @@ def test_batch_of_64_early_eos_and_special_tokens_in_prompts(mid):
     out = qwen_generate(model, ids, lengths, max_new_tokens=MAX_NEW, **KW)
     assert out.tokens.shape == (64, MAX_NEW)
     assert out.lengths[0] == 0 and out.accepted[0] == 1 and out.row_forwards[0] <= 1
-    np.testing.assert_array_equal(out.tokens[0], IM_END_ID)  # cut, filled with the first stop id
+    np.testing.assert_array_equal(out.tokens[0], ENDOFTEXT_ID)  # cut, the last stop id after
     # The late row: its uncached reference (the prompt's <|mask|> read as a token) and itself
     # decoded alone, whatever the other 63 rows do.
     assert out.completions()[1] == ref[1]

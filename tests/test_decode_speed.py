@@ -14,7 +14,7 @@ from flax import nnx
 
 from benchmarks import decode_speed as ds
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID
 
 from decode_oracles import CFG, qwen_generate_batched
 
@@ -40,6 +40,9 @@ def subject():
         block_size=4,
         max_new_tokens=2,
         min_prompts=2,
+        eos_ids=DEFAULT_EOS_IDS,
+        pad_id=ENDOFTEXT_ID,
+        mask_id=MASK_ID,
     )
 
 
@@ -120,6 +123,8 @@ def test_no_eos_generates_the_whole_budget():
         block_size=2,
         max_new_tokens=5,
         eos_ids=(),
+        pad_id=ENDOFTEXT_ID,
+        mask_id=MASK_ID,
     )
     kw = dict(batch_size=2, max_new_tokens=5, eos_ids=(), pad_id=ENDOFTEXT_ID)
     ours = qwen_generate_batched(model, s.prompts, block_size=1, threshold=1.0, **kw)
