@@ -94,7 +94,7 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import decode_step
-from mars_jax import cli, decode, huggingface, sources, vocab
+from mars_jax import cli, decode, huggingface, sources
 from mars_jax import config as config_lib
 from mars_jax.batches import eval_examples, eval_source
 from mars_jax.kv_cache import init_cache
@@ -223,7 +223,8 @@ def build_subjects(
         if name == "trained":
             if not workdir:
                 raise ValueError("--model=trained needs --workdir (a trained run)")
-            model, tok, _ = sources.load_model(workdir)
+            opened = sources.open(workdir, block_size=block_size)
+            tok = opened.tokenizer
             need = max(b * math.ceil(num_prompts / b) for b in batch_sizes)
             source, fmt, seed = eval_source(config)
             examples = eval_examples(source, num_examples=need, fmt=fmt, seed=seed)
@@ -232,13 +233,13 @@ def build_subjects(
             subjects.append(
                 make_subject(
                     name,
-                    model,
+                    opened.model,
                     prompts,
-                    block_size=sources.block_size(workdir, block_size),
+                    block_size=opened.block_size,
                     max_new_tokens=max_new_tokens,
-                    eos_ids=vocab.stop_ids(tok),
-                    pad_id=tok.pad_id,
-                    mask_id=tok.mask_id,
+                    eos_ids=opened.stop_ids,
+                    pad_id=opened.pad_id,
+                    mask_id=opened.mask_id,
                     min_prompts=num_prompts,
                 )
             )

@@ -18,7 +18,7 @@ import json
 import numpy as np
 from absl import app, flags
 
-from mars_jax import decode, sources, vocab
+from mars_jax import decode, sources
 
 PROMPTS = [  # chat prompts whose greedy answers run past 128 tokens
     "Write a short story about a robot who learns to paint.",
@@ -71,20 +71,19 @@ def parity(path: str, max_new_tokens: int) -> dict:
     report = {"workdir": path, "prompts": len(PROMPTS), "max_new_tokens": max_new_tokens}
     theirs = None
     for dtype in ("float32", "bfloat16"):
-        model, tok, _ = sources.load_model(path, dtype=dtype)
+        opened = sources.open(path, block_size=1, dtype=dtype)
+        tok = opened.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], True) for p in PROMPTS]
         if theirs is None:
             theirs = transformers_tokens(path, prompts, max_new_tokens)
         out = decode.generate_batched(
-            model,
+            opened.model,
             prompts,
             batch_size=len(prompts),
-            pad_id=tok.pad_id,
             block_size=1,
             threshold=1.0,
             max_new_tokens=max_new_tokens,
-            mask_id=None,
-            eos_ids=vocab.stop_ids(tok),
+            **opened.decode_ids(),
         )
         report[dtype] = agreement(out.completions(), theirs)
     return report

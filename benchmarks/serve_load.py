@@ -70,9 +70,9 @@ def load_model():
     if FLAGS.model == "trained":
         if not FLAGS.workdir:
             raise app.UsageError("--model=trained needs --workdir")
-        model, tok, _ = sources.load_model(FLAGS.workdir)
+        opened = sources.open(FLAGS.workdir)
         name = os.path.basename(os.path.normpath(FLAGS.workdir))
-        return model, tok, sources.block_size(FLAGS.workdir), name
+        return opened.model, opened.tokenizer, opened.block_size, name
     from flax import nnx
 
     from mars_jax import config as config_lib

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mars_jax import cli, config, decode, platforms, plots, sources, storage, vocab
+from mars_jax import cli, config, decode, platforms, plots, sources, storage
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.grading import accuracy, extract_answer
@@ -153,9 +153,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
     config.validate(cfg, training=False)
     e = cfg.eval
     thresholds = [float(t) for t in e.thresholds]  # checked by config.validate
-    block_size = sources.block_size(workdir, e.block_size or None)
-    model, tok, step = sources.load_model(workdir, step=step)
-    sources.check_mask(tok, block_size, workdir)
+    opened = sources.open(workdir, block_size=e.block_size or None, step=step)
+    model, tok, step, block_size = opened.model, opened.tokenizer, opened.step, opened.block_size
     source, fmt, seed = eval_source(cfg)
     examples = eval_examples(source, num_examples=e.num_examples, fmt=fmt, seed=seed)
     if not examples:
@@ -176,7 +175,6 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             model,
             prompts,
             batch_size=e.batch_size,
-            pad_id=tok.pad_id,
             block_size=block_size,
             threshold=threshold,
             max_new_tokens=e.max_new_tokens,
@@ -184,8 +182,7 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
             cache_mode=e.cache_mode,
             rule=e.rule,
             seed=cfg.seed,
-            mask_id=tok.mask_id,
-            eos_ids=vocab.stop_ids(tok),
+            **opened.decode_ids(),
         )
 
     timed = {}  # (block size, threshold) -> (DecodeOutput, best seconds)

@@ -93,7 +93,7 @@ def complete(
     latest) of the run in ``workdir``, or with the Hugging Face directory ``workdir``.
 
     ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's (a
-    Hugging Face directory's ``mars_block_size``, `sources.block_size`);
+    Hugging Face directory's ``mars_block_size``, `sources.block_size_of`);
     ``system`` is an optional system message; text in a prompt that spells a control token
     stays text unless ``parse_control_tokens``; ``stream(row, text)``, if given, receives each
     row's text as it is committed (see `TextStream`); the other arguments are as in
@@ -112,10 +112,8 @@ def complete(
         cache_mode=cache_mode,
         rule=rule,
     )
-    block_size = sources.block_size(workdir, block_size)
-    model, tok, _ = sources.load_model(workdir, step=step)
-    sources.check_mask(tok, block_size, workdir)
-    eos_ids = vocab.stop_ids(tok)
+    opened = sources.open(workdir, block_size=block_size, step=step)
+    tok = opened.tokenizer
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
         tok.apply_chat_template(
@@ -125,18 +123,18 @@ def complete(
         )
         for p in prompts
     ]
-    text_stream = None if stream is None else TextStream(tok, len(prompts), eos_ids, stream)
+    text_stream = None if stream is None else TextStream(tok, len(prompts), opened.stop_ids, stream)
     out = decode.generate(
-        model,
-        *decode.pad_prompts(ids, tok.pad_id),
-        block_size=block_size,
+        opened.model,
+        *decode.pad_prompts(ids, opened.pad_id),
+        block_size=opened.block_size,
         threshold=threshold,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         cache_mode=cache_mode,
         rule=rule,
-        mask_id=tok.mask_id,
-        eos_ids=eos_ids,
+        mask_id=opened.mask_id,
+        eos_ids=opened.stop_ids,
         on_accept=text_stream,
     )
     if text_stream is not None:

@@ -34,7 +34,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import chunks, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mars_jax import config, decode, sources, vocab
+from mars_jax import config, decode, sources
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
 
@@ -115,16 +115,15 @@ class MarsLM(TemplateLM):
         if self.batch_size < 1:
             raise InputError(f"mars_jax: batch_size must be >= 1, got {batch_size!r}")
         self.workdir = workdir
-        block_size = sources.block_size(workdir, block_size)
-        self.model, self.tokenizer, self.step = sources.load_model(workdir, step=step)
-        sources.check_mask(self.tokenizer, block_size, workdir)
+        opened = sources.open(workdir, block_size=block_size, step=step)
+        self.model, self.tokenizer, self.step = opened.model, opened.tokenizer, opened.step
         self.decode_kwargs = dict(
-            block_size=block_size,
+            block_size=opened.block_size,
             threshold=float(threshold),
             cache_mode=cache_mode,
             rule=rule,
-            mask_id=self.tokenizer.mask_id,
-            eos_ids=vocab.stop_ids(self.tokenizer),  # a trimmed run's ids
+            mask_id=opened.mask_id,
+            eos_ids=opened.stop_ids,  # a trimmed run's ids
         )
         self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
         self._rendered: dict[str, list[int]] = {}  # apply_chat_template's text -> its ids

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from absl import flags, logging
 from aiohttp import web
 
-from mars_jax import cli, engine, sharding, sources, vocab
+from mars_jax import cli, engine, sharding, sources
 from mars_jax.errors import InputError
 
 # Fields of OpenAI's requests that are accepted and ignored (at their neutral values).
@@ -424,18 +424,15 @@ def make_server(
         if slots % rows:
             raise InputError(f"slots: {slots}; must be a multiple of data x fsdp = {rows}")
         rules = sources.sharding_rules(workdir)
-    block_size = sources.block_size(workdir, block_size)
-    model, tok, _ = sources.load_model(workdir, mesh=mesh)
-    sources.check_mask(tok, block_size, workdir)
+    opened = sources.open(workdir, block_size=block_size, mesh=mesh)
+    model, tok = opened.model, opened.tokenizer
     eng = engine.Engine(
         model,
         slots=slots,
         max_prompt_len=max_prompt_len,
         max_new_tokens=max_new_tokens,
-        block_size=block_size,
-        eos_ids=vocab.stop_ids(tok),
-        mask_id=tok.mask_id,
-        pad_id=tok.pad_id,
+        block_size=opened.block_size,
+        **opened.decode_ids(),
         steps_per_call=steps_per_call,
         prefill_chunk=prefill_chunk,
         mesh=mesh,

@@ -14,16 +14,22 @@ takes either as its ``--workdir``:
 
 A directory whose tokenizer files do not declare ``<|mask|>`` is not a MARS model: it decodes
 one token per forward (block size 1), and asking it for more is refused (`check_mask`).
+
+`open` is the one way an entry point opens a model: it returns an `Opened` with the model, its
+tokenizer, step and block size, and the stop / pad / mask ids the decoder needs, all read from
+the model's own files (never from module constants).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
-from mars_jax import huggingface, sharding, storage
+from mars_jax import huggingface, sharding, storage, vocab
 from mars_jax import workdir as wd
 from mars_jax.errors import InputError, NotFound
 from mars_jax.model import abstract_params
@@ -33,6 +39,20 @@ from mars_jax.tokenizer import load_tokenizer
 def is_hf_dir(path: str) -> bool:
     """Whether ``path`` is a Hugging Face model directory (config.json, no model.json)."""
     return not wd.is_workdir(path) and storage.exists(storage.join(path, "config.json"))
+
+
+def kind(path: str) -> str:
+    """``"run"`` (a mars-jax run: model.json) or ``"hf"`` (a Hugging Face directory:
+    config.json), the one test of what a model path is, for decoding and for training's
+    ``init_from``. Raises NotFound for a directory that is neither, naming what it lacks."""
+    if wd.is_workdir(path):
+        return "run"
+    if storage.exists(storage.join(path, "config.json")):
+        return "hf"
+    raise NotFound(
+        f"{path}: neither a mars-jax run (model.json) nor a Hugging Face model directory "
+        "(config.json)"
+    )
 
 
 def _hf_config(path: str) -> dict:
@@ -48,12 +68,7 @@ def load_model(path: str, *, mesh: Mesh | None = None, step: int | None = None, 
     InputError for a ``step`` asked of a Hugging Face directory, or a config.json
     ``mask_token_id`` that is not the tokenizer's ``<|mask|>``; as `huggingface.load_hf_sharded`.
     """
-    if not is_hf_dir(path):
-        if not wd.is_workdir(path):
-            raise NotFound(
-                f"{path}: neither a mars-jax run (model.json) nor a Hugging Face model directory "
-                "(config.json)"
-            )
+    if kind(path) == "run":
         return wd.load_model(path, mesh=mesh, step=step, **overrides)
     if step is not None:
         raise InputError(f"step: {step}; {path} is a Hugging Face directory, which has no steps")
@@ -73,13 +88,61 @@ def load_model(path: str, *, mesh: Mesh | None = None, step: int | None = None, 
     return nnx.merge(graphdef, params), tok, 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A model opened for decoding (`open`): ``model`` (an nnx module on its mesh), its
+    ``tokenizer``, the checkpoint ``step`` (0 for a Hugging Face directory), the ``block_size``
+    it decodes at, and the token ids the decoder takes, in the model's id space: ``stop_ids``
+    (end a completion), ``pad_id`` (prompt padding) and ``mask_id`` (None: not a MARS model)."""
+
+    path: str
+    model: Any
+    tokenizer: Any
+    step: int
+    block_size: int
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    mask_id: int | None
+
+    def decode_ids(self) -> dict:
+        """``eos_ids``, ``mask_id`` and ``pad_id`` as `decode.generate` and the engine take them."""
+        return {"eos_ids": self.stop_ids, "mask_id": self.mask_id, "pad_id": self.pad_id}
+
+
+def open(
+    path: str,
+    *,
+    block_size: int | None = None,
+    step: int | None = None,
+    mesh: Mesh | None = None,
+    **overrides,
+) -> Opened:
+    """Opens the run or Hugging Face directory ``path`` for decoding: its block size (``block_size``
+    if given, else as `block_size` reads it, checked before any weight is read), its model and
+    tokenizer (`load_model`, with ``step``, ``mesh`` and ``overrides``), refusing block sizes
+    above 1 for a model without ``<|mask|>`` (`check_mask`)."""
+    size = block_size_of(path, block_size)
+    model, tok, at = load_model(path, mesh=mesh, step=step, **overrides)
+    check_mask(tok, size, path)
+    return Opened(
+        path=path,
+        model=model,
+        tokenizer=tok,
+        step=at,
+        block_size=size,
+        stop_ids=tuple(vocab.stop_ids(tok)),
+        pad_id=int(tok.pad_id),
+        mask_id=None if tok.mask_id is None else int(tok.mask_id),
+    )
+
+
 def sharding_rules(path: str) -> sharding.Rules:
     """The logical-axis rules of a run (its ``mesh.rules``), or the default rules for a
     Hugging Face directory."""
     return sharding.logical_rules() if is_hf_dir(path) else wd.sharding_rules(path)
 
 
-def block_size(path: str, given: int | None = None) -> int:
+def block_size_of(path: str, given: int | None = None) -> int:
     """``given`` if set; else a run's training block size, or a Hugging Face directory's
     ``mars_block_size`` (config.json). Raises InputError for a Hugging Face directory that
     records none, saying how to give it."""

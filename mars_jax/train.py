@@ -49,6 +49,7 @@ from mars_jax import (
     objectives,
     platforms,
     sharding,
+    sources,
     storage,
     train_step,
     vocab,
@@ -81,11 +82,17 @@ def model_config(cfg) -> ModelConfig:
     ``init_from`` is a directory (`config.validate`).
     """
     execution = {k: cfg.model[k] for k in _EXECUTION_KEYS}
-    if cfg.init_from and wd.is_workdir(cfg.init_from):
+    init = init_kind(cfg)
+    if init == "run":
         return wd.read_model_config(cfg.init_from, **execution)
-    if cfg.init_from:
+    if init == "hf":
         return dataclasses.replace(huggingface.read_hf_config(cfg.init_from), **execution)
     return ModelConfig(**cfg.model)
+
+
+def init_kind(cfg) -> str | None:
+    """What ``init_from`` is (`sources.kind`: ``"run"`` or ``"hf"``), None when unset."""
+    return sources.kind(cfg.init_from) if cfg.init_from else None
 
 
 def tokenizer_source(cfg) -> str | None:
@@ -93,7 +100,7 @@ def tokenizer_source(cfg) -> str | None:
     HF directory); else None, the offline Qwen2.5 default."""
     if cfg.tokenizer_path:
         return cfg.tokenizer_path
-    if cfg.init_from and wd.is_workdir(cfg.init_from):
+    if init_kind(cfg) == "run":
         return storage.join(cfg.init_from, "tokenizer")
     return cfg.init_from or None
 
@@ -103,7 +110,7 @@ def check_init_from(cfg, workdir: str) -> None:
     has not reached its final step (a stage 1 stopped early), or when ``workdir`` resumes a run
     initialised from another step of ``init_from`` than the one it holds now (stage 1 went on
     after this stage 2 started from it)."""
-    if not (cfg.init_from and wd.is_workdir(cfg.init_from)) or cfg.train.allow_partial_init:
+    if init_kind(cfg) != "run" or cfg.train.allow_partial_init:
         return
     allow = "set train.allow_partial_init=True to go on anyway"
     record = wd.read_init_record(workdir) if wd.is_workdir(workdir) else None
@@ -127,7 +134,7 @@ def with_mask_row(cfg, model_cfg: ModelConfig, tok) -> ModelConfig:
     """``model_cfg`` grown to hold the tokenizer's mask id (`model.grown_vocab_size`) where
     ``add_mask_token`` is set, ``init_from`` is a Hugging Face directory and the mask has no
     row; else ``model_cfg`` unchanged."""
-    if not (cfg.add_mask_token and cfg.init_from) or wd.is_workdir(cfg.init_from):
+    if not cfg.add_mask_token or init_kind(cfg) != "hf":
         return model_cfg
     rows = grown_vocab_size(model_cfg.vocab_size, tok.mask_id + 1)
     if rows != model_cfg.vocab_size:
@@ -147,13 +154,14 @@ def initial_params(
     ``cfg.seed``), from a HF directory (each process reading only its devices' parts, see
     `huggingface.load_hf_sharded`; rows `with_mask_row` adds are appended, `add_vocab_rows`),
     or from the latest checkpoint of another run."""
-    if not cfg.init_from:
+    init = init_kind(cfg)
+    if init is None:
         shardings = sharding.shardings_of(abstract)
-        init = jax.jit(
+        init_random = jax.jit(
             lambda: nnx.state(Qwen2(model_cfg, rngs=nnx.Rngs(cfg.seed))), out_shardings=shardings
         )
-        return init()
-    if wd.is_workdir(cfg.init_from):
+        return init_random()
+    if init == "run":
         with Checkpoints(cfg.init_from) as checkpoints:
             params, step = checkpoints.restore_params(abstract)
         logging.info("initialized from %s step %d", cfg.init_from, step)

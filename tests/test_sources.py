@@ -84,8 +84,45 @@ def test_block_size_comes_from_config_or_is_asked_for(released, tmp_path):
         generate.complete(path, [PROMPT], max_new_tokens=2)
     recorded = tmp_path / "b8"
     write_released(recorded, block_size=8)
-    assert sources.block_size(str(recorded)) == 8
-    assert sources.block_size(str(recorded), 4) == 4
+    assert sources.block_size_of(str(recorded)) == 8
+    assert sources.block_size_of(str(recorded), 4) == 4
+    assert sources.open(str(recorded)).block_size == 8
+
+
+def test_open_gives_the_ids_of_the_directory_s_own_files(released, tmp_path):
+    """`sources.open`'s ids are those transformers reads from the same files; the block size is
+    resolved before any weight is read; a model without <|mask|> is refused above block size 1."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    _, path = released
+    opened = sources.open(path, block_size=4)
+    hf_tok = AutoTokenizer.from_pretrained(path)
+    stops = {hf_tok.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        stops |= set(eos if isinstance(eos, list) else [eos])
+    except OSError:  # no generation_config.json
+        pass
+    assert (opened.step, opened.block_size) == (0, 4)
+    assert opened.mask_id == hf_tok.convert_tokens_to_ids("<|mask|>") == MASK_ID
+    assert opened.pad_id == hf_tok.pad_token_id
+    assert set(opened.stop_ids) == stops
+    assert opened.decode_ids() == {
+        "eos_ids": opened.stop_ids,
+        "mask_id": opened.mask_id,
+        "pad_id": opened.pad_id,
+    }
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(path, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(InputError, match="records no mars_block_size"):
+        sources.open(str(no_weights))
+    plain = tmp_path / "plain"
+    write_released(plain, mask=False)
+    assert sources.open(str(plain), block_size=1).mask_id is None
+    with pytest.raises(InputError, match=r"declare no <\|mask\|> token"):
+        sources.open(str(plain), block_size=4)
 
 
 def test_without_a_mask_token_only_one_token_per_forward(released, tmp_path):
