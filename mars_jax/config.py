@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import ml_collections
 
 from mars_jax import sharding, storage
+from mars_jax.decode_options import DecodeOptions, OptionError
 from mars_jax.errors import MissingPath, SettingError
 
 SOURCES = ("synthetic", "gsm8k", "messages")  # rows.SYNTHETIC and the row formats
@@ -34,8 +35,6 @@ NORMALIZATIONS = ("sequence", "token")
 NOISY_WEIGHTINGS = ("none", "inverse_t")
 REMAT = ("none", "full", "dots")  # model.REMAT
 ATTENTION = ("xla", "chunked", "splash", "cudnn")  # model.ATTENTION (attention.IMPLEMENTATIONS)
-CACHE_MODES = ("sliding", "block", "none")  # decode.CACHE_MODES
-RULES = ("prob", "entropy", "margin", "verify")  # decode.RULES
 
 
 def defaults(stage: str = "ar") -> ml_collections.ConfigDict:
@@ -294,31 +293,14 @@ def _check_eval(e) -> None:
         raise SettingError("eval.block_size", e.block_size, "must be >= 0 (0: as trained)")
     if not len(e.thresholds):
         raise SettingError("eval.thresholds", tuple(e.thresholds), "must list a threshold")
-    for t in e.thresholds:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
-            # NaN fails the comparison too.
-            raise SettingError("eval.thresholds", tuple(e.thresholds), f"{t!r} is outside (0, 1]")
     # eval.num_examples 0 or less read no synthetic problem ("no evaluation examples ... set
     # data.eval_format") and eval.nll_examples 0 failed after all the decoding.
     for key in ("batch_size", "max_new_tokens", "num_examples", "nll_examples", "timing_repeats"):
         if e[key] < 1:
             raise SettingError(f"eval.{key}", e[key], "must be >= 1")
-    if not e.temperature >= 0:  # NaN fails too
-        raise SettingError("eval.temperature", e.temperature, "must be >= 0 (0: greedy)")
-    # Refused here, before a checkpoint is loaded (decode.generate would refuse them only then).
-    if e.cache_mode not in CACHE_MODES:
-        raise SettingError("eval.cache_mode", e.cache_mode, f"must be one of {CACHE_MODES}")
-    if e.rule not in RULES:
-        raise SettingError("eval.rule", e.rule, f"must be one of {RULES}")
-    if e.rule == "verify" and (e.temperature > 0 or e.cache_mode == "block"):
-        # decode.VerifyRule.check, on the config's keys.
-        raise SettingError(
-            "eval.rule",
-            e.rule,
-            "reproduces greedy AR decoding: it needs eval.temperature 0 and eval.cache_mode "
-            f"'sliding' or 'none' (got eval.temperature={e.temperature}, eval.cache_mode="
-            f"{e.cache_mode!r})",
-        )
+    # The decoding settings, refused here before a checkpoint is loaded (DecodeOptions' rules).
+    for t in e.thresholds:
+        DecodeOptions.from_eval(e, block_size=max(e.block_size, 1), threshold=t)
 
 
 def _check_train(cfg) -> None:
@@ -521,45 +503,13 @@ def objective_config(cfg, mask_id: int, longest_labels: int = 0) -> ObjectiveCon
 # --- decoding arguments -------------------------------------------------------------------
 
 
-def check_decoding(
-    *,
-    threshold=None,
-    block_size: int | None = None,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    cache_mode: str | None = None,
-    rule: str | None = None,
-    prefix: str = "",
-) -> None:
-    """Checks the decoding settings a program takes as flags or arguments rather than from a run
-    config (``generate``, the lm-eval adapter), before a run is loaded: ``threshold`` (one value
-    or one per prompt) in (0, 1], ``block_size`` >= 1, ``max_new_tokens`` >= 0, ``temperature``
-    >= 0, ``cache_mode`` and ``rule`` among the decoder's, and ``verify`` only greedy and without
-    the block cache. None skips a setting. Raises `errors.InputError` whose message starts with
-    ``prefix`` and names the argument (``threshold must lie in (0, 1], got 2.0``)."""
-    from mars_jax.errors import InputError
-
-    if threshold is not None:
-        try:  # one value (a number, or a string of one), or one per prompt (a list, an array)
-            values = [threshold] if isinstance(threshold, str) else list(threshold)
-        except TypeError:
-            values = [threshold]
-        for t in values:
-            if isinstance(t, bool) or not 0.0 < float(t) <= 1.0:  # NaN fails too
-                raise InputError(f"{prefix}threshold must lie in (0, 1], got {t!r}")
-    if block_size is not None and int(block_size) < 1:
-        raise InputError(f"{prefix}block_size must be >= 1, got {block_size!r}")
-    if max_new_tokens is not None and max_new_tokens < 0:
-        raise InputError(f"{prefix}max_new_tokens must be >= 0, got {max_new_tokens!r}")
-    if temperature is not None and not temperature >= 0:
-        raise InputError(f"{prefix}temperature must be >= 0, got {temperature!r}")
-    if cache_mode is not None and cache_mode not in CACHE_MODES:
-        raise InputError(f"{prefix}cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
-    if rule is not None and rule not in RULES:
-        raise InputError(f"{prefix}rule must be one of {RULES}, got {rule!r}")
-    if rule == "verify" and ((temperature or 0) > 0 or cache_mode == "block"):
-        raise InputError(
-            f"{prefix}rule='verify' reproduces greedy AR decoding: it needs temperature 0 and "
-            f"cache_mode 'sliding' or 'none' (got temperature={temperature}, cache_mode "
-            f"{cache_mode!r})"
-        )
+def check_decoding(*, prefix: str = "", **fields) -> DecodeOptions:
+    """The `DecodeOptions` of the decoding settings a program takes as flags or arguments rather
+    than from a run config (``generate``, the lm-eval adapter), built before a run is loaded:
+    ``fields`` are DecodeOptions fields, None leaving a field at its default. Raises its
+    `OptionError` with ``prefix`` before the message (``threshold must lie in (0, 1], got
+    2.0``)."""
+    try:
+        return DecodeOptions(**{k: v for k, v in fields.items() if v is not None})
+    except OptionError as err:
+        raise err.prefixed(prefix) from None

@@ -70,12 +70,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from mars_jax import decode_options
+from mars_jax.decode_options import CACHE_MODES, RULES, DecodeOptions
 from mars_jax.errors import InputError
 from mars_jax.kv_cache import KVCache, init_cache, read_window, write_window
 from mars_jax.model import Qwen2, causal_mask
 from mars_jax.sharding import with_logical_constraint
 
-CACHE_MODES = ("sliding", "block", "none")
+__all__ = ["CACHE_MODES", "RULES", "DecodeOptions"]  # re-exported with the decoder
 
 
 @dataclasses.dataclass
@@ -144,7 +146,8 @@ class AcceptanceRule:
     A rule gives each candidate a confidence on a [0, 1] scale; a candidate is accepted while
     its confidence (and every earlier one's) is >= the row's threshold. ``drafts`` rules
     (``verify``) instead propose the confident candidates as drafts that the next forward checks
-    against its own AR predictions. A new rule is one subclass registered in `ACCEPTANCE_RULES`.
+    against its own AR predictions. A new rule is one subclass registered in `ACCEPTANCE_RULES`
+    under a name of `decode_options.Rule` (where the settings it cannot run with are refused).
     """
 
     name: str = ""
@@ -154,9 +157,6 @@ class AcceptanceRule:
         """float32 [...]: the confidence of choosing ``token`` int32 [...] from ``logits``
         [..., V]."""
         raise NotImplementedError
-
-    def check(self, *, sampling: bool, cache_mode: str) -> None:
-        """Raises ValueError where the rule cannot run with these settings."""
 
 
 def _log_probs(logits: jax.Array) -> jax.Array:
@@ -230,19 +230,12 @@ class Verify(Prob):
     name = "verify"
     drafts = True
 
-    def check(self, *, sampling, cache_mode):
-        if sampling or cache_mode == "block":
-            raise InputError(
-                "rule='verify' reproduces greedy AR decoding: it needs temperature 0 and "
-                f"cache_mode 'sliding' or 'none' (got sampling={sampling}, cache_mode "
-                f"{cache_mode!r})"
-            )
 
-
-ACCEPTANCE_RULES: dict[str, AcceptanceRule] = {
-    r.name: r for r in (Prob(), Entropy(), Margin(), Verify())
-}
-RULES = tuple(ACCEPTANCE_RULES)
+# The registry (one dict, `decode_options.ACCEPTANCE_RULES`, so that DecodeOptions accepts the
+# name of a rule registered here).
+ACCEPTANCE_RULES: dict[str, AcceptanceRule] = decode_options.ACCEPTANCE_RULES
+ACCEPTANCE_RULES.update({r.name: r for r in (Prob(), Entropy(), Margin(), Verify())})
+assert tuple(ACCEPTANCE_RULES) == RULES, "each decode_options.Rule has its AcceptanceRule"
 
 
 def confidence(logits: jax.Array, token: jax.Array, rule: str) -> jax.Array:
@@ -852,23 +845,21 @@ def generate(
     model: Qwen2,
     prompt_ids: np.ndarray,
     prompt_lengths: np.ndarray,
+    options: DecodeOptions | None = None,
     *,
-    block_size: int,
-    threshold: float | Sequence[float] | np.ndarray,
-    max_new_tokens: int,
-    cache_mode: str = "sliding",
-    rule: str = "prob",
-    max_accept_per_step: int | None = None,
-    adaptive_window: bool = True,
-    temperature: float = 0.0,
     eos_ids: Sequence[int],
     mask_id: int | None,
     seed: int | Sequence[int] | np.ndarray = 0,
     mesh: Mesh | None = None,
     axis_rules: Any = None,
     on_accept: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    **fields,
 ) -> DecodeOutput:
     """Decodes a batch of prompts with MARS threshold decoding (one jitted program).
+
+    What it does is ``options``, a `DecodeOptions` (checked when it was built), or, without
+    one, the DecodeOptions of ``fields`` (block_size, threshold, max_new_tokens, cache_mode,
+    rule, temperature, max_accept, adaptive_window); the fields are explained there and below.
 
     Args:
       model: a `Qwen2` (MARS-trained, or any AR model with threshold 1.0).
@@ -879,19 +870,13 @@ def generate(
         needs only cache memory); staying within the model's trained context (an HF config's
         ``max_position_embeddings``, which `ModelConfig` does not record) is the caller's
         choice.
-      block_size: B, the most tokens accepted per forward (the training block size).
-      threshold: confidence needed to accept a candidate after the first, in (0, 1]; a scalar or
-        one per row [R]. 1.0 accepts exactly one token per forward (AR decoding), even where a
-        probability rounds to 1.0. With ``rule="verify"`` it chooses how many drafts to propose.
-      max_new_tokens: completion budget per row; 0 returns empty completions (tokens [R, 0],
-        zero counts) after the argument checks, without compiling or running the model.
-      cache_mode: ``sliding``, ``block`` or ``none`` (module docstring).
-      rule: ``prob``, ``entropy``, ``margin`` or ``verify`` (module docstring).
-      max_accept_per_step: most tokens a row accepts per forward (default B).
-      adaptive_window: in ``sliding`` mode, run a B-slot window on steps where every active row
-        needs at most B slots (else 2B-1).
-      temperature: 0 for greedy; > 0 samples each candidate from softmax(logits / temperature)
-        and uses the sampled token's confidence (not with ``verify``, which is greedy).
+      options.threshold: one value, or one per row (R values). 1.0 accepts exactly one token
+        per forward (AR decoding), even where a probability rounds to 1.0. With
+        ``rule="verify"`` it chooses how many drafts to propose.
+      options.max_new_tokens: 0 returns empty completions (tokens [R, 0], zero counts) after
+        the argument checks, without compiling or running the model.
+      options.cache_mode, options.rule: module docstring.
+      options.temperature: > 0 uses the sampled token's confidence.
       eos_ids: tokens that end a row; the output is cut before the first one, even where a
         forward accepted tokens past it.
       mask_id: id of <|mask|>.
@@ -908,11 +893,14 @@ def generate(
 
     Returns:
       A `DecodeOutput`. Raises ValueError for inconsistent shapes or lengths (naming the rows
-      whose length is outside 1..P, e.g. an empty prompt), no rows, block_size < 1,
-      max_new_tokens < 0, a threshold outside (0, 1], an unknown cache_mode or rule, a negative
-      temperature, ``verify`` with sampling or in ``block`` mode, a seed that is not an integer
-      in 0..2**32-1 or not one for every row, or a mesh without axis_rules.
+      whose length is outside 1..P, e.g. an empty prompt), no rows, per-row thresholds that are
+      not one per row, a seed that is not an integer in 0..2**32-1 or not one for every row, a
+      mesh without axis_rules, and (`decode_options.OptionError`) bad ``fields``.
     """
+    if options is None:
+        options = DecodeOptions(**fields)
+    elif fields:
+        raise InputError(f"pass options or their fields, not both (got {sorted(fields)})")
     prompt_ids = np.asarray(prompt_ids, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
     if prompt_ids.ndim != 2 or prompt_lengths.shape != prompt_ids.shape[:1]:
@@ -934,28 +922,17 @@ def generate(
             )
             + (f" and {bad.size - 8} more" if bad.size > 8 else "")
         )
-    if block_size < 1 or max_new_tokens < 0:
-        raise InputError(
-            f"block_size ({block_size}) must be >= 1 and max_new_tokens ({max_new_tokens}) >= 0"
-        )
-    threshold = np.broadcast_to(np.asarray(threshold, np.float32), (rows,))
-    if not np.all((threshold > 0) & (threshold <= 1)):
-        raise InputError(f"threshold must lie in (0, 1], got {threshold.tolist()}")
-    if cache_mode not in CACHE_MODES:
-        raise InputError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
-    if rule not in ACCEPTANCE_RULES:
-        raise InputError(f"rule must be one of {tuple(ACCEPTANCE_RULES)}, got {rule!r}")
-    if temperature < 0:
-        raise InputError(f"temperature must be >= 0, got {temperature}")
-    ACCEPTANCE_RULES[rule].check(sampling=temperature > 0, cache_mode=cache_mode)
+    threshold = np.asarray(options.threshold, np.float32)
+    if threshold.ndim and threshold.shape != (rows,):
+        raise InputError(f"threshold: {threshold.size} values for {rows} rows; give one per row")
+    threshold = np.broadcast_to(threshold, (rows,))
+    block_size, max_new_tokens = options.block_size, options.max_new_tokens
     seeds = np.asarray(seed)
     if seeds.dtype.kind not in "iu" or seeds.shape not in ((), (rows,)):
         raise InputError(f"seed must be one integer or one per row ({rows}); got {seed!r}")
     if seeds.min() < 0 or seeds.max() >= 2**32:
         raise InputError(f"seeds must lie in 0..2**32-1; got {seed!r}")
     seeds = np.broadcast_to(seeds, (rows,)).astype(np.uint32)
-    if max_accept_per_step is not None and max_accept_per_step < 1:
-        raise InputError(f"max_accept_per_step must be >= 1, got {max_accept_per_step}")
     if (mesh is None) != (axis_rules is None):
         raise InputError("mesh and axis_rules go together: pass both or neither")
     mask_id = mask_id_for(mask_id, block_size)
@@ -967,10 +944,10 @@ def generate(
         max_new_tokens=max_new_tokens,
         eos_ids=tuple(int(e) for e in eos_ids),
         mask_id=int(mask_id),
-        sampling=temperature > 0,
-        cache_mode=cache_mode,
-        rule=rule,
-        adaptive_window=adaptive_window,
+        sampling=options.sampling,
+        cache_mode=options.cache_mode.value,
+        rule=options.rule_name,
+        adaptive_window=options.adaptive_window,
         mesh=mesh,
         axis_rules=None if axis_rules is None else tuple(axis_rules),
         on_accept=on_accept,
@@ -982,8 +959,8 @@ def generate(
         jnp.asarray(prompt_ids),
         jnp.asarray(prompt_lengths),
         jnp.asarray(threshold),
-        jnp.int32(block_size if max_accept_per_step is None else max_accept_per_step),
-        jnp.float32(temperature),
+        jnp.int32(options.accept_limit),
+        jnp.float32(options.temperature),
         jax.vmap(jax.random.key)(jnp.asarray(seeds)),
         settings=settings,
     )
@@ -994,6 +971,7 @@ def generate(
 def generate_batched(
     model: Qwen2,
     prompts: Sequence[Sequence[int]],
+    options: DecodeOptions | None = None,
     *,
     batch_size: int,
     pad_id: int,
@@ -1006,9 +984,8 @@ def generate_batched(
     one-token filler rows), so the decoder compiles once. ``seed`` is one integer, giving prompt
     i the seed ``seed + i`` (independent draws per prompt), or one seed per prompt [N]; either
     way a prompt's sample does not depend on ``batch_size`` or on the other prompts (`generate`).
-    Seeds must lie in 0..2**32-1. ``kwargs`` go to `generate` (block_size, threshold,
-    max_new_tokens, cache_mode, rule, temperature, ...; a per-row threshold is not supported
-    here). Returns one `DecodeOutput` with a row per prompt, in order. Raises ValueError as
+    Seeds must lie in 0..2**32-1. ``options`` and ``kwargs`` go to `generate` (the ids, or the
+    fields of the options; a per-row threshold is not supported here). Returns one `DecodeOutput` with a row per prompt, in order. Raises ValueError as
     `pad_prompts` and `generate`, and for a seed list whose length is not the number of prompts.
     """
     num_batches = -(-len(prompts) // batch_size)
@@ -1026,6 +1003,7 @@ def generate_batched(
             model,
             ids[i : i + batch_size],
             lengths[i : i + batch_size],
+            options,
             seed=seeds[i : i + batch_size],
             **kwargs,
         )

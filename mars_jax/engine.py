@@ -38,14 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mars_jax.decode import (
-    ACCEPTANCE_RULES,
-    CACHE_MODES,
-    Decoder,
-    DecoderSettings,
-    DecodeState,
-    mask_id_for,
-)
+from mars_jax.decode import Decoder, DecoderSettings, DecodeState, mask_id_for
+from mars_jax.decode_options import CacheMode, DecodeOptions, OptionError
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
 
@@ -145,6 +139,11 @@ def _retire(state: DecodeState, free) -> DecodeState:
     return state.replace(done=state.done | free, forwards=jnp.zeros_like(state.forwards))
 
 
+def _refused(field: str, value, reason: str) -> OptionError:
+    """The error of a request's ``field``: ``field: value; reason``."""
+    return OptionError(field, value, reason, f"{field}: {value}; {reason}")
+
+
 class Engine:
     """``slots`` rows of continuous batching with one model (see the module docstring).
 
@@ -152,14 +151,17 @@ class Engine:
       model: a `Qwen2` (placed on its mesh, if any).
       slots: rows decoded together.
       max_prompt_len: the prompt width every request is padded to (longer ones are refused).
-      max_new_tokens: the largest budget of one request.
-      block_size, cache_mode, rule, eos_ids, mask_id, mesh, axis_rules: as `decode.generate`.
+      options: the engine's `DecodeOptions` (or, without it, its ``fields``): block_size,
+        cache_mode (not block) and rule; max_new_tokens is the largest budget of one request.
+        Each request brings its own threshold, temperature, budget and seed.
+      eos_ids, mask_id, mesh, axis_rules: as `decode.generate`.
       pad_id: the id that fills prompt slots and empty rows (the tokenizer's ``pad_id``: a
         trimmed run's model id); any id of the embedding.
       steps_per_call: forwards per device call (per host turn).
       prefill_chunk: prompt tokens per prefill forward (None: the whole prompt width in one);
         the prompt width is rounded up to a multiple of it.
-      sampling: compile the sampling path (needed for any request with temperature > 0).
+      sampling: compile the sampling path (needed for any request with temperature > 0; never
+        with rule ``verify``, which is greedy).
       refill: admit a waiting request as soon as a slot frees (continuous batching); False
         admits only into an empty batch (static batching: the baseline of the load benchmark).
     """
@@ -170,10 +172,7 @@ class Engine:
         *,
         slots: int,
         max_prompt_len: int,
-        max_new_tokens: int,
-        block_size: int,
-        cache_mode: str = "sliding",
-        rule: str = "prob",
+        options: DecodeOptions | None = None,
         eos_ids: Sequence[int],
         mask_id: int | None,
         pad_id: int,
@@ -183,17 +182,22 @@ class Engine:
         refill: bool = True,
         mesh=None,
         axis_rules: Any = None,
+        **fields,
     ):
+        if options is None:
+            options = DecodeOptions(**fields)
+        elif fields:
+            raise InputError(f"pass options or their fields, not both (got {sorted(fields)})")
+        block_size, max_new_tokens = options.block_size, options.max_new_tokens
         chunk = max_prompt_len if prefill_chunk is None else prefill_chunk
         if min(slots, max_prompt_len, max_new_tokens, steps_per_call, chunk) < 1:
             raise InputError(
                 "slots, max_prompt_len, max_new_tokens, steps_per_call, prefill_chunk must be >= 1"
             )
-        if cache_mode == "block":
+        if options.cache_mode is CacheMode.BLOCK:
             raise InputError("cache_mode='block' makes rows wait at block ends: use 'sliding'")
-        if cache_mode not in CACHE_MODES or rule not in ACCEPTANCE_RULES:
-            raise InputError(f"unknown cache_mode {cache_mode!r} or rule {rule!r}")
-        ACCEPTANCE_RULES[rule].check(sampling=sampling, cache_mode=cache_mode)
+        sampling = sampling and options.rule_name != "verify"
+        self.options = options
         graphdef, self.params = nnx.split(model)
         self.decoder = Decoder(
             graphdef,
@@ -203,9 +207,9 @@ class Engine:
                 eos_ids=tuple(int(e) for e in eos_ids),
                 mask_id=mask_id_for(mask_id, block_size),
                 sampling=sampling,
-                cache_mode=cache_mode,
-                rule=rule,
-                adaptive_window=True,
+                cache_mode=options.cache_mode.value,
+                rule=options.rule_name,
+                adaptive_window=options.adaptive_window,
                 mesh=mesh,
                 axis_rules=None if axis_rules is None else tuple(axis_rules),
                 on_accept=None,
@@ -235,27 +239,27 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
-        """Raises InputError (naming the field) for a request this engine cannot decode."""
+        """Raises `OptionError` (its ``field`` a `Request` field) for a request this engine
+        cannot decode; the threshold and temperature by `DecodeOptions`' rules."""
         n = len(request.prompt_ids)
         if not 1 <= n <= self.max_prompt_len:
-            raise InputError(f"prompt: {n} tokens; this engine takes 1 to {self.max_prompt_len}")
+            raise _refused("prompt", f"{n} tokens", f"this engine takes 1 to {self.max_prompt_len}")
         if not all(0 <= t < self.vocab_size for t in request.prompt_ids):
             bad = next(t for t in request.prompt_ids if not 0 <= t < self.vocab_size)
-            raise InputError(
-                f"prompt: token id {bad} is not a row of the model's {self.vocab_size}"
-            )
+            reason = f"is not a row of the model's {self.vocab_size}"
+            raise OptionError("prompt", bad, reason, f"prompt: token id {bad} {reason}")
         if not 1 <= request.max_tokens <= self.max_new_tokens:
-            raise InputError(
-                f"max_tokens: {request.max_tokens}; this engine takes 1 to {self.max_new_tokens}"
+            raise _refused(
+                "max_tokens", request.max_tokens, f"this engine takes 1 to {self.max_new_tokens}"
             )
-        if not 0 < request.threshold <= 1:
-            raise InputError(f"threshold: {request.threshold}; must lie in (0, 1]")
-        if request.temperature < 0 or (
-            request.temperature > 0 and not self.decoder.settings.sampling
-        ):
-            raise InputError(f"temperature: {request.temperature}; must be >= 0 (0 greedy)")
+        try:
+            self.options.replace(threshold=request.threshold, temperature=request.temperature)
+        except OptionError as e:
+            raise _refused(e.field, e.value, e.reason) from None
+        if request.temperature > 0 and not self.decoder.settings.sampling:
+            raise _refused("temperature", request.temperature, "this engine decodes greedily")
         if not 0 <= request.seed < 2**32:
-            raise InputError(f"seed: {request.seed}; must lie in 0..2**32-1")
+            raise _refused("seed", request.seed, "must lie in 0..2**32-1")
 
     def submit(self, request: Request, on_update: Callable[[Update], None] | None = None) -> Stream:
         """Queues ``request`` (checked first, `check`); returns its `Stream` (see there for

@@ -40,6 +40,7 @@ from absl import logging
 
 from mars_jax import cli, config, decode, platforms, plots, sources, storage
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
+from mars_jax.decode_options import DecodeOptions
 from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.grading import accuracy, extract_answer
 from mars_jax.objectives import ar_loss
@@ -174,13 +175,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         return decode.generate_batched(
             model,
             prompts,
+            DecodeOptions.from_eval(e, block_size=block_size, threshold=threshold),
             batch_size=e.batch_size,
-            block_size=block_size,
-            threshold=threshold,
-            max_new_tokens=e.max_new_tokens,
-            temperature=e.temperature,
-            cache_mode=e.cache_mode,
-            rule=e.rule,
             seed=cfg.seed,
             **opened.decode_ids(),
         )

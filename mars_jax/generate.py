@@ -104,7 +104,7 @@ def complete(
     Hugging Face directory, InputError as `sources` (no block size, no mask token) and
     ValueError as `decode.generate`.
     """
-    config.check_decoding(
+    options = config.check_decoding(
         threshold=threshold,
         block_size=block_size,
         max_new_tokens=max_new_tokens,
@@ -113,6 +113,7 @@ def complete(
         rule=rule,
     )
     opened = sources.open(workdir, block_size=block_size, step=step)
+    options = options.replace(block_size=opened.block_size)
     tok = opened.tokenizer
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
@@ -127,12 +128,7 @@ def complete(
     out = decode.generate(
         opened.model,
         *decode.pad_prompts(ids, opened.pad_id),
-        block_size=opened.block_size,
-        threshold=threshold,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        cache_mode=cache_mode,
-        rule=rule,
+        options,
         mask_id=opened.mask_id,
         eos_ids=opened.stop_ids,
         on_accept=text_stream,

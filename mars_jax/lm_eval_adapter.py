@@ -101,7 +101,7 @@ class MarsLM(TemplateLM):
         super().__init__()
         # Checked before the model is loaded: decode.generate would refuse them only at the
         # first generate_until request, after lm_eval's task setup and any loglikelihood tasks.
-        config.check_decoding(
+        options = config.check_decoding(
             threshold=threshold,
             block_size=block_size,
             cache_mode=cache_mode,
@@ -117,13 +117,15 @@ class MarsLM(TemplateLM):
         self.workdir = workdir
         opened = sources.open(workdir, block_size=block_size, step=step)
         self.model, self.tokenizer, self.step = opened.model, opened.tokenizer, opened.step
-        self.decode_kwargs = dict(
-            block_size=opened.block_size,
-            threshold=float(threshold),
-            cache_mode=cache_mode,
-            rule=rule,
+        self.options = options.replace(block_size=opened.block_size)
+        self.ids = opened.decode_ids()  # a trimmed run's ids
+        self.decode_kwargs = dict(  # what get_model_info reports
+            block_size=self.options.block_size,
+            threshold=self.options.threshold,
+            cache_mode=self.options.cache_mode.value,
+            rule=self.options.rule_name,
             mask_id=opened.mask_id,
-            eos_ids=opened.stop_ids,  # a trimmed run's ids
+            eos_ids=opened.stop_ids,
         )
         self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
         self._rendered: dict[str, list[int]] = {}  # apply_chat_template's text -> its ids
@@ -254,12 +256,10 @@ class MarsLM(TemplateLM):
             out = decode.generate_batched(
                 self.model,
                 prompts,
+                self.options.replace(temperature=temperature, max_new_tokens=budget),
                 batch_size=self.batch_size,
-                pad_id=self.tokenizer.pad_id,
                 seed=[self.seed + i for i in rows],  # request i's seed, whatever its group
-                temperature=temperature,
-                max_new_tokens=budget,
-                **self.decode_kwargs,
+                **self.ids,
             )
             self.accepted += int(out.accepted.sum())
             self.forwards += int(out.row_forwards.sum())
@@ -270,7 +270,7 @@ class MarsLM(TemplateLM):
         log.info(
             "mars_jax: %.3f tokens per forward so far (threshold %.2f)",
             self.tokens_per_forward,
-            self.decode_kwargs["threshold"],
+            self.options.threshold,
         )
         return texts
 

@@ -295,7 +295,7 @@ def build_app(server: Server) -> web.Application:
                 try:
                     server.engine.check(req)
                 except InputError as e:
-                    raise RequestError(str(e), str(e).split(":")[0]) from None
+                    raise RequestError(str(e), getattr(e, "field", None)) from None
                 if server.engine.waiting >= server.max_waiting:
                     raise RequestError(
                         "the server is busy: too many requests wait for a slot", None, 429

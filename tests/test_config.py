@@ -175,12 +175,11 @@ def test_train_refuses_a_bad_objective_before_reading_anything(tmp_path, monkeyp
 
 
 def test_the_choices_are_those_of_the_modules_that_use_them():
-    from mars_jax import attention, decode, model, objectives
+    from mars_jax import attention, model, objectives
 
     assert config.REMAT == model.REMAT
     assert config.ATTENTION == tuple(model.ATTENTION) == tuple(attention.IMPLEMENTATIONS)
-    assert config.CACHE_MODES == decode.CACHE_MODES
-    assert config.RULES == decode.RULES
+    # The decoding choices have one definition, mars_jax.decode_options (test_decode_options).
     assert config.OBJECTIVE_NAMES == tuple(objectives.OBJECTIVES)
     assert objectives.NORMALIZATIONS is config.NORMALIZATIONS
 

@@ -77,9 +77,8 @@ def test_a_prompt_that_spells_control_tokens_reaches_the_model_as_text(monkeypat
 
     tok = load_tokenizer(None)
     im_start, mask = tok.encode("<|im_start|>")[0], tok.mask_id
-    monkeypatch.setattr(sources, "block_size", lambda workdir, block_size: 4)
-    monkeypatch.setattr(sources, "load_model", lambda workdir, step: (None, tok, 0))
-    monkeypatch.setattr(sources, "check_mask", lambda *a: None)
+    opened = sources.Opened("run", None, tok, 0, 4, tuple(tok.eos_ids), tok.pad_id, tok.mask_id)
+    monkeypatch.setattr(sources, "open", lambda workdir, block_size, step: opened)
     seen = []
 
     class Reached(Exception):

@@ -18,7 +18,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mars_jax"
 LAYERS = (
     ("0a", ("errors", "platforms")),
     ("0b", ("storage",)),
-    ("0c", ("tokenizer", "synthetic", "grading", "metrics", "plots", "distributed", "attention")),
+    (
+        "0c",
+        (
+            "tokenizer",
+            "synthetic",
+            "grading",
+            "metrics",
+            "plots",
+            "distributed",
+            "attention",
+            "decode_options",
+        ),
+    ),
     ("1a", ("sharding",)),
     ("1b", ("config",)),
     ("2a", ("kv_cache",)),
