@@ -188,12 +188,12 @@ def _clocked(monkeypatch):
     real, clock, calls = decode.generate_batched, [0.0], []
     rng = np.random.default_rng(0)
 
-    def counting(model, prompts, **kwargs):
-        out = real(model, prompts, **kwargs)
-        warm_up = all(b != kwargs["block_size"] for b, *_ in calls)
+    def counting(model, prompts, options, **kwargs):
+        out = real(model, prompts, options, **kwargs)
+        warm_up = all(b != options.block_size for b, *_ in calls)
         took = 1e6 if warm_up else float(rng.integers(1, 100))
         clock[0] += took
-        calls.append((kwargs["block_size"], kwargs["threshold"], took, int(out.accepted.sum())))
+        calls.append((options.block_size, options.threshold, took, int(out.accepted.sum())))
         return out
 
     monkeypatch.setattr(decode, "generate_batched", counting)
