@@ -3,15 +3,17 @@
 # then the evaluation of the untuned model, the control and MARS, and the report.
 #   bash launch/smollm2_gsm8k.sh RUN_DIR [--config.key=value ...]
 # Extra flags go to every train and evaluate command. Re-running resumes each step.
+# SMOLLM2=DIR takes the model from DIR instead of models/smollm2 (built by tools/smollm2.py).
 set -euo pipefail
 run=${1:?run directory}; shift
 config=configs/smollm2_gsm8k.py
-python -m tools.smollm2 --link=models/smollm2
-python -m mars_jax.train --config="$config:mars" --workdir="$run/mars" "$@"
-python -m mars_jax.train --config="$config:ar" --workdir="$run/ar" "$@"
+model=${SMOLLM2:-models/smollm2}
+if [ -z "${SMOLLM2:-}" ]; then python -m tools.smollm2 --link=models/smollm2; fi
+python -m mars_jax.train --config="$config:mars" --workdir="$run/mars" --config.init_from="$model" "$@"
+python -m mars_jax.train --config="$config:ar" --workdir="$run/ar" --config.init_from="$model" "$@"
 # The untuned model: a directory of links to its files (evaluate writes its report there).
 mkdir -p "$run/untuned"
-for f in models/smollm2/*; do ln -sfn "$(realpath "$f")" "$run/untuned/$(basename "$f")"; done
+for f in "$model"/*; do ln -sfn "$(realpath "$f")" "$run/untuned/$(basename "$f")"; done
 python -m mars_jax.evaluate --config="$config:ar" --workdir="$run/untuned" "$@"
 python -m mars_jax.evaluate --config="$config:ar" --workdir="$run/ar" "$@"
 python -m mars_jax.evaluate --config="$config:mars" --workdir="$run/mars" "$@"

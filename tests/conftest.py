@@ -3,6 +3,12 @@ subprocess from the repository root (`run_python`, `python_env`), and tiny trans
 checkpoints (`make_hf_model`, `save_hf` and the fixtures; `write_released`: the released MARS
 checkpoints' format).
 
+Under pytest-xdist, torch (and the subprocesses the tests start) run one intra-op thread: with
+two workers on two cores, torch's default of one thread per core beside the other worker's JAX
+ran transformers' generate about 9x slower (6.5 s against 59.7 s for 64 tokens of
+SmolLM2-135M-Instruct, measured side by side while JAX decoded), which made the real-model
+oracles most of CI's time.
+
 tests/multidevice runs in a process of its own, with 8 CPU devices set before jax starts
 (tests/test_multidevice.py runs it): it is collected only when named on the command line."""
 
@@ -13,10 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
-from transformers import (
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read by torch, and by the subprocesses
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     LlamaConfig,
     Qwen2Config,
@@ -24,7 +33,10 @@ from transformers import (
     Qwen3Config,
 )
 
-from mars_jax.tokenizer import MASK_ID, MASK_TOKEN, load_tokenizer
+from mars_jax.tokenizer import MASK_ID, MASK_TOKEN, load_tokenizer  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,6 +262,25 @@ def write_released(path, *, mask: bool = True, block_size: int | None = None):
         tc.pop("mask_token")
         (path / "tokenizer_config.json").write_text(json.dumps(tc))
     return model
+
+
+def write_smol_layout(path, smollm2_dir):
+    """(path, transformers model): a tiny random untied Llama (49,152 rows, no <|mask|>) saved at
+    ``path`` with SmolLM2-135M-Instruct's tokenizer files, its stop id 2."""
+    import shutil
+
+    torch.manual_seed(0)
+    fields = {k: v for k, v in TINY.items() if k not in ("vocab_size", "tie_word_embeddings")}
+    config = LlamaConfig(**fields, vocab_size=49152, tie_word_embeddings=False, eos_token_id=2)
+    hf = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape) * 0.15)
+    hf.eval().save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(smollm2_dir) / name, Path(path) / name)
+    (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return Path(path), hf
 
 
 @pytest.fixture(scope="session")

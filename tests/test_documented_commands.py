@@ -193,6 +193,15 @@ REGISTRY = [
         ),
     ),
     (
+        "smollm2_gsm8k",
+        r"bash launch/smollm2_gsm8k\.sh runs/smollm2",
+        Smoke(
+            "run_smollm2_gsm8k",
+            "SMOLLM2: a tiny Llama in SmolLM2's tokenizer layout; 2 steps a run, batch 2, max "
+            "length 64; evaluations of 2 questions (needs ../shared/data); the report written",
+        ),
+    ),
+    (
         "evaluate_tiny",
         r"python -m mars_jax\.evaluate --config=configs/tiny\.py:mars "
         r"--workdir=runs/tiny/(mars|hf)( .*)?",
@@ -908,6 +917,29 @@ def run_two_stage_qwen0_5b(commands, request, tmp_path):
     check_eval_tables(proc.stdout, [run / "ar", run / "mars"])
 
 
+def run_smollm2_gsm8k(commands, request, tmp_path):
+    needs_shared_data()
+    from conftest import write_smol_layout
+
+    model, _ = write_smol_layout(tmp_path / "smol", request.getfixturevalue("smollm2_dir"))
+    [command] = commands
+    run = tmp_path / "smollm2"
+    proc = run_command(
+        command,
+        TRAIN_SMOKE[:3]
+        + ["--config.data.max_length=64", "--config.train.save_every=2"]
+        + EVAL_SMOKE,
+        subs={"runs/smollm2": run},
+        env={"SMOLLM2": str(model)},
+        timeout=1200,  # seven programs, each compiling its own
+    )
+    check_run_dir(run)
+    check_eval_tables(proc.stdout, [run / "untuned", run / "ar", run / "mars"])
+    table = (run / "results" / "smollm2_gsm8k.md").read_text()
+    assert all(label in table for label in ("SmolLM2-135M-Instruct", "AR control", "MARS B=4"))
+    assert (run / "results" / "smollm2_gsm8k_loss.png").stat().st_size > 1000
+
+
 def run_evaluate(commands, request, tmp_path):
     for command in commands:
         subs = model_subs(command, request)
@@ -1234,3 +1266,21 @@ def test_smoke(entry, request, tmp_path):
     assert commands, entry
     request.getfixturevalue("background")  # starts the expensive runs with the first test
     globals()[ENTRIES[entry].runner](commands, request, tmp_path)
+
+
+def test_the_decoding_api_example_runs(tiny_run):
+    """docs/decoding.md's Python example (`sources.open`, `DecodeOptions`, `decode.generate`),
+    on the quick start's MARS run: the text generate.complete gives with the same settings."""
+    from mars_jax import generate
+
+    text = (ROOT / "docs" / "decoding.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    path = str(tiny_run / "mars")
+    assert '"runs/tiny/mars"' in code
+    scope: dict = {}
+    exec(code.replace('"runs/tiny/mars"', repr(path)), scope)
+    opened, out = scope["opened"], scope["out"]
+    tokens = [t for t in out.completions()[0] if t not in opened.stop_ids]
+    want = generate.complete(path, ["What is 12 * 7?"], threshold=0.9, max_new_tokens=64)[0]
+    assert 1 <= len(out.completions()[0]) <= 64
+    assert opened.tokenizer.decode(tokens) == want["text"]

@@ -8,14 +8,11 @@ directory's own weights (old rows unchanged, new rows the mean as transformers'
 original model (our threshold-1.0 decoding of the run, and transformers' decoding of its
 export), transformers' reading of the exported tokenizer and config."""
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_jax import export, generate, train
 from mars_jax import workdir as wd
@@ -23,28 +20,15 @@ from mars_jax.errors import InputError
 from mars_jax.model import grown_vocab_size
 from mars_jax.tokenizer import load_tokenizer
 
-from conftest import TINY, tiny_config
+from conftest import tiny_config, write_smol_layout
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PROMPT = "What is 2 + 3?"
 
 
 @pytest.fixture(scope="module")
 def smol_layout(smollm2_dir, tmp_path_factory):
     """(directory, transformers model): a tiny random untied Llama with SmolLM2's tokenizer."""
-    path = tmp_path_factory.mktemp("smol_layout")
-    torch.manual_seed(0)
-    fields = {k: v for k, v in TINY.items() if k not in ("vocab_size", "tie_word_embeddings")}
-    config = LlamaConfig(**fields, vocab_size=49152, tie_word_embeddings=False, eos_token_id=2)
-    hf = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape) * 0.15)
-    hf.eval().save_pretrained(str(path))
-    for name in TOKENIZER_FILES:
-        shutil.copy(smollm2_dir / name, path / name)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
-    return path, hf
+    return write_smol_layout(tmp_path_factory.mktemp("smol_layout"), smollm2_dir)
 
 
 def greedy(hf, ids, n):
