@@ -9,14 +9,14 @@ adds ``<|mask|>`` as row 49,152 (49,280 rows in all), in both runs: the control 
 model and decodes at block size 1, where the row is never read. The vocabulary is not trimmed:
 the untuned model, the control and MARS then decode over the same 49,152 ids.
 
-Sizing, measured on this 2-core CPU (2026-12-03): at batch 8 and max length 320 (92% of
-GSM8K's train rows fit whole in SmolLM2's tokens, 76% in 256) a MARS step ([noisy | clean],
-640 positions a row) took about 100 s; at batch 4 and max length 256 (the longer rows cut,
-keeping the start of their answer) a 3-step probe took 28-30 s a step. The full run: MARS 80
-steps in 42.7 min, the AR control 80 steps in 15.5 min, and the three evaluations (64 test
-questions, up to 256 new tokens, batch 64) 12-13 min each for one threshold (MARS: see
-docs/results.md). 80 steps of 4 rows is 4% of an epoch: a first measurement on real weights,
-not the paper's recipe (5 epochs at batch 384).
+Sizing, measured on this 2-core CPU: at batch 8 and max length 320 (92% of GSM8K's train
+rows fit whole in SmolLM2's tokens, 76% in 256) a MARS step ([noisy | clean], 640 positions a
+row) took about 100 s; at batch 4 and max length 256 (the longer rows cut, keeping the start
+of their answer) about 21 s. The run of 2026-12-04 (docs/results.md): MARS 80 steps in 30.1
+min, the AR control in 11.8 min, the evaluations (64 test questions, up to 256 new tokens,
+batch 64) 8.4, 8.0 and 40.3 min (MARS: four thresholds); 99 min in all. 80 steps of 4 rows is
+4% of an epoch: a first measurement on real weights, not the paper's recipe (5 epochs at
+batch 384).
 """
 
 from configs import gsm8k
