@@ -52,8 +52,9 @@ Structure (after gemma's sampler loop and tunix's sampler): a frozen `Decoder` (
 graphdef and the static `DecoderSettings`) whose jitted methods ``prefill``, ``step`` (one
 forward) and ``result`` are pure functions over the parameters and a `DecodeState`, which also
 carries the per-row settings (threshold, max_accept, temperature, PRNG keys), so that each
-piece compiles alone and a host loop (a server) can drive them; ``Decoder.decode`` runs them as
-one ``lax.while_loop`` program. The acceptance rules are `AcceptanceRule` classes.
+piece compiles alone and a host loop (a server) can drive them, with ``insert``, ``free`` and
+``new_tokens`` for its slots; ``Decoder.decode`` runs them as one ``lax.while_loop`` program.
+The acceptance rules are `AcceptanceRule` classes.
 """
 
 from __future__ import annotations
@@ -327,6 +328,21 @@ class DecodeResult:
     forwards: jax.Array
 
 
+@flax.struct.dataclass
+class NewTokens:
+    """What a host loop reads back after some steps (`Decoder.new_tokens`, on the device, or
+    `Decoder.read_new_tokens`, its host copy), for R rows, ``sent`` int32 [R] tokens of each
+    already seen:
+    tokens: int32 [R, W], row r's tokens from position prompt_lengths[r] + sent[r]; only the first
+      new_tokens[r] - sent[r] are committed (the rest are drafts or stale).
+    new_tokens, row_forwards: int32 [R], as in `DecodeState`. forwards: int32 [], the batch's."""
+
+    tokens: Any
+    new_tokens: Any
+    row_forwards: Any
+    forwards: Any
+
+
 # -- the decoder ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DecoderSettings:
@@ -344,6 +360,35 @@ class DecoderSettings:
     mesh: Mesh | None
     axis_rules: Any  # flax logical-axis rules ((name, mesh axes), ...) or None
     on_accept: Callable | None
+
+    @classmethod
+    def of(
+        cls,
+        options: DecodeOptions,
+        *,
+        eos_ids: Sequence[int],
+        mask_id: int | None,
+        sampling: bool | None = None,
+        mesh: Mesh | None = None,
+        axis_rules: Any = None,
+        on_accept: Callable | None = None,
+    ) -> DecoderSettings:
+        """The program's settings of (already checked) ``options``: the one place they turn
+        into static settings. ``sampling`` defaults to whether the options sample; the mask id
+        as `mask_id_for` (None only at block size 1)."""
+        return cls(
+            block_size=options.block_size,
+            max_new_tokens=options.max_new_tokens,
+            eos_ids=tuple(int(e) for e in eos_ids),
+            mask_id=mask_id_for(mask_id, options.block_size),
+            sampling=options.sampling if sampling is None else sampling,
+            cache_mode=options.cache_mode.value,
+            rule=options.rule_name,
+            adaptive_window=options.adaptive_window,
+            mesh=mesh,
+            axis_rules=None if axis_rules is None else tuple(axis_rules),
+            on_accept=on_accept,
+        )
 
     @property
     def max_forwards(self) -> int:
@@ -382,6 +427,16 @@ class Decoder:
     A prompt can also be prefilled in chunks (the serving engine's long prompts):
     ``state = decoder.begin(...)`` with the same arguments as ``prefill``, then
     ``state = decoder.prefill_chunk(params, state, chunk_ids, chunk_start)`` per chunk.
+
+    A continuous-batching host loop (`mars_jax.engine`, after JetStream's prefill / insert /
+    generate / free) keeps only slot ids and host counts, and leaves every device update here:
+
+      batch = decoder.insert(batch, one_row_state, slot)     # a prefilled request into a slot
+      batch = decoder.steps(params, batch, num_steps)        # a few forwards of every row
+      new = decoder.read_new_tokens(batch, sent, width)      # host numpy: tokens since ``sent``
+      batch = decoder.free(batch, rows)                      # rows bool [R] marked done
+
+    with `seed_keys` making the rows' PRNG keys of integer seeds.
 
     `decode` runs the same as one program (a ``lax.while_loop``); `generate` is its checked,
     host-side entry. Under ``settings.mesh`` every method runs sharded by ``settings.axis_rules``.
@@ -478,6 +533,55 @@ class Decoder:
         step costs in each of its cases."""
         with self._on_mesh():
             return self._branch(nnx.merge(self.graphdef, params), state, name)
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+    def insert(self, state: DecodeState, one: DecodeState, slot) -> DecodeState:
+        """``state`` (R rows, donated) with row ``slot`` (int32 []) replaced by the one-row
+        state ``one`` (same S): its KV cache row, tokens, cursors and settings; the batch's
+        ``forwards`` kept."""
+
+        def put(big, small):
+            return big.at[slot].set(small[0])
+
+        fields = {
+            f.name: put(getattr(state, f.name), getattr(one, f.name))
+            for f in dataclasses.fields(state)
+            if f.name not in ("cache", "forwards")
+        }
+        cache = None
+        if state.cache is not None:
+            cache = {n: state.cache[n].at[:, slot].set(one.cache[n][:, 0]) for n in state.cache}
+        return state.replace(cache=cache, **fields)
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+    def free(self, state: DecodeState, rows) -> DecodeState:
+        """``state`` (donated) with the rows of bool [R] ``rows`` marked done (`steps` carries
+        them unchanged) and the batch's ``forwards`` reset to 0 (a host loop that runs for ever
+        counts its own; `finished` compares it with `DecoderSettings.max_forwards`)."""
+        return state.replace(done=state.done | rows, forwards=jnp.zeros_like(state.forwards))
+
+    @functools.partial(jax.jit, static_argnums=(0, 3))
+    def new_tokens(self, state: DecodeState, sent, width: int) -> NewTokens:
+        """`NewTokens` of ``width`` (W) tokens per row from prompt_lengths + sent (int32 [R]):
+        one gather, not the whole [R, S] buffer. W = num_steps * block_size covers a `steps`
+        call (a forward accepts at most block_size tokens per row); `read_new_tokens` reads
+        again past W."""
+        slots = state.tokens.shape[1]
+        at = state.prompt_lengths[:, None] + sent[:, None] + jnp.arange(width)
+        tokens = jnp.take_along_axis(state.tokens, jnp.minimum(at, slots - 1), axis=1)
+        return NewTokens(tokens, state.new_tokens, state.row_forwards, state.forwards)
+
+    def read_new_tokens(self, state: DecodeState, sent, width: int) -> NewTokens:
+        """Host side of `new_tokens`: numpy arrays, with every row's committed tokens past
+        ``sent`` (int [R]) in ``tokens`` [R, W'] (W' = ``width``, or a multiple of it where some
+        row has more unseen tokens: one more read per ``width``)."""
+        sent = np.asarray(sent, np.int32)
+        new = jax.device_get(self.new_tokens(state, sent, width))
+        pieces = [new.tokens]
+        while (new.new_tokens - sent > width * len(pieces)).any():
+            more = self.new_tokens(state, sent + width * len(pieces), width)
+            pieces.append(jax.device_get(more.tokens))
+        return new.replace(tokens=np.concatenate(pieces, axis=1))
 
     @_static_self
     def result(self, state: DecodeState) -> DecodeResult:
@@ -828,6 +932,12 @@ def _generate(
     )
 
 
+def seed_keys(seeds) -> jax.Array:
+    """PRNG keys [R], ``jax.random.key`` of each of the integer ``seeds`` [R] (0..2**32-1): the
+    rows' sampling keys (``row_keys`` of `Decoder.prefill` and `Decoder.begin`)."""
+    return jax.vmap(jax.random.key)(jnp.asarray(np.asarray(seeds).astype(np.uint32)))
+
+
 def mask_id_for(mask_id: int | None, block_size: int) -> int:
     """``mask_id`` as the decoder's setting: None (a model without ``<|mask|>``) is refused
     for block_size > 1, and is never fed at block size 1 (no masks after the one token)."""
@@ -939,17 +1049,12 @@ def generate(
     if max_new_tokens == 0:  # nothing to decode: empty completions, nothing compiled or run
         zeros = np.zeros((rows,), np.int32)
         return DecodeOutput(np.zeros((rows, 0), np.int32), zeros, zeros.copy(), zeros.copy(), 0)
-    settings = DecoderSettings(
-        block_size=block_size,
-        max_new_tokens=max_new_tokens,
-        eos_ids=tuple(int(e) for e in eos_ids),
-        mask_id=int(mask_id),
-        sampling=options.sampling,
-        cache_mode=options.cache_mode.value,
-        rule=options.rule_name,
-        adaptive_window=options.adaptive_window,
+    settings = DecoderSettings.of(
+        options,
+        eos_ids=eos_ids,
+        mask_id=mask_id,
         mesh=mesh,
-        axis_rules=None if axis_rules is None else tuple(axis_rules),
+        axis_rules=axis_rules,
         on_accept=on_accept,
     )
     graphdef, params = nnx.split(model)
@@ -961,7 +1066,7 @@ def generate(
         jnp.asarray(threshold),
         jnp.int32(options.accept_limit),
         jnp.float32(options.temperature),
-        jax.vmap(jax.random.key)(jnp.asarray(seeds)),
+        seed_keys(seeds),
         settings=settings,
     )
     out = jax.device_get(out)

@@ -164,6 +164,15 @@ class DecodeOptions:
         """The most tokens a row accepts per forward: ``max_accept_per_step``, else B."""
         return self.block_size if self.max_accept_per_step is None else self.max_accept_per_step
 
+    def summary(self) -> dict:
+        """block_size, threshold, cache_mode and rule as plain values (for logs and reports)."""
+        return {
+            "block_size": self.block_size,
+            "threshold": self.threshold,
+            "cache_mode": self.cache_mode.value,
+            "rule": self.rule_name,
+        }
+
     def replace(self, **changes) -> DecodeOptions:
         """A copy with ``changes``, checked again."""
         return dataclasses.replace(self, **changes)

@@ -4,21 +4,25 @@ its own request with its own threshold, temperature, seed and token budget; a re
 for a slot takes the first one that frees, while the others keep decoding.
 
 The engine has the shape of JetStream's (prefill a request, insert it into a free slot, run
-decode steps for all slots) over `mars_jax.decode.Decoder`:
+decode steps for all slots, free the slot) over the engine API of `mars_jax.decode.Decoder`,
+which owns every device update; the engine keeps only slot ids, queues, host counts and numpy
+arrays, and never imports jax:
 
 - ``prefill``: the request alone, with its settings (threshold, temperature, seed as in
   `decode.generate`), its prompt in chunks of ``prefill_chunk`` tokens (`Decoder.begin`, then
   one `Decoder.prefill_chunk` forward per chunk), one chunk per host turn: a long prompt
   delays the decoding slots by one chunk's forward per turn, not by its whole prefill.
-- ``insert``: that one-row `DecodeState` written into row ``slot`` of the batch state (its KV
-  cache rows, tokens, cursors and settings), one jitted update with the batch state donated.
+- ``insert``: `Decoder.insert` writes that one-row `DecodeState` into row ``slot`` of the batch
+  state (its KV cache rows, tokens, cursors and settings), the batch state donated.
 - ``steps``: `Decoder.steps`, a few forwards of every slot per device call. A slot that is empty,
   finished or still prefilling is carried unchanged.
+- ``free``: `Decoder.free` marks the rows of finished or cancelled requests done.
 
 `Engine.run_once` is one turn of the host loop: reserve free slots for waiting requests, run one
-prefill chunk of each, insert those whose prompt is done, run the steps, hand each request the
-tokens committed since the last turn (`Stream`), and free the slots of finished or cancelled
-requests. `Engine.start` runs it in a thread. A request decodes exactly
+prefill chunk of each, insert those whose prompt is done, run the steps, read back each slot's
+tokens committed since the last turn (`Decoder.read_new_tokens`: those tokens alone, not the
+token buffer) and hand them to its request (`Stream`), and free the slots of finished or
+cancelled requests. `Engine.start` runs it in a thread. A request decodes exactly
 as `decode.generate` of its prompt alone with the same settings (its budget as
 ``max_new_tokens``): a row's tokens depend only on its prompt, settings and seed (see
 `mars_jax.decode`), never on the other slots or on when it was admitted.
@@ -28,17 +32,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import queue
 import threading
 from typing import Any, Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mars_jax.decode import Decoder, DecoderSettings, DecodeState, mask_id_for
+from mars_jax.decode import Decoder, DecoderSettings, DecodeState, seed_keys
 from mars_jax.decode_options import CacheMode, DecodeOptions, OptionError
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
@@ -114,31 +115,6 @@ class _Prefill:
     done: int = 0
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _insert(state: DecodeState, one: DecodeState, slot) -> DecodeState:
-    """``state`` with row ``slot`` replaced by the one-row state ``one`` (its batch counter kept)."""
-
-    def put(big, small):
-        return big.at[slot].set(small[0])
-
-    fields = {
-        f.name: put(getattr(state, f.name), getattr(one, f.name))
-        for f in dataclasses.fields(state)
-        if f.name not in ("cache", "forwards")
-    }
-    cache = None
-    if state.cache is not None:
-        cache = {n: state.cache[n].at[:, slot].set(one.cache[n][:, 0]) for n in state.cache}
-    return state.replace(cache=cache, **fields)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _retire(state: DecodeState, free) -> DecodeState:
-    """``state`` with the rows of bool [R] ``free`` marked done, and the batch's forward count
-    reset (the engine runs for ever; `Decoder.finished` counts forwards per call)."""
-    return state.replace(done=state.done | free, forwards=jnp.zeros_like(state.forwards))
-
-
 def _refused(field: str, value, reason: str) -> OptionError:
     """The error of a request's ``field``: ``field: value; reason``."""
     return OptionError(field, value, reason, f"{field}: {value}; {reason}")
@@ -201,18 +177,13 @@ class Engine:
         graphdef, self.params = nnx.split(model)
         self.decoder = Decoder(
             graphdef,
-            DecoderSettings(
-                block_size=block_size,
-                max_new_tokens=max_new_tokens,
-                eos_ids=tuple(int(e) for e in eos_ids),
-                mask_id=mask_id_for(mask_id, block_size),
+            DecoderSettings.of(
+                options,
+                eos_ids=eos_ids,
+                mask_id=mask_id,
                 sampling=sampling,
-                cache_mode=options.cache_mode.value,
-                rule=options.rule_name,
-                adaptive_window=options.adaptive_window,
                 mesh=mesh,
-                axis_rules=None if axis_rules is None else tuple(axis_rules),
-                on_accept=None,
+                axis_rules=axis_rules,
             ),
         )
         self.slots, self.max_prompt_len = slots, max_prompt_len
@@ -224,9 +195,9 @@ class Engine:
         self.max_new_tokens, self.steps_per_call = max_new_tokens, steps_per_call
         self.refill = refill
         self.eos_ids = frozenset(int(e) for e in eos_ids)
-        self._insert, self._retire = _insert, _retire  # jitted once for every engine
+        self._read_width = steps_per_call * block_size  # the most tokens a row gets per turn
         empty = self._begin([Request((self.pad_id,), 1)] * slots)
-        self.state = self._retire(empty, jnp.ones((slots,), bool))
+        self.state = self.decoder.free(empty, np.ones((slots,), bool))
         self._streams: list[Stream | None] = [None] * slots  # decoding
         self._prefills: dict[int, _Prefill] = {}  # slot -> a request being prefilled into it
         self._sent = [0] * slots  # tokens handed to each slot's stream
@@ -294,12 +265,12 @@ class Engine:
             ids[r, : len(q.prompt_ids)] = q.prompt_ids
         return self.decoder.begin(
             self.params,
-            jnp.asarray(ids),
-            jnp.asarray([len(q.prompt_ids) for q in requests], jnp.int32),
-            jnp.asarray([q.threshold for q in requests], jnp.float32),
-            jnp.int32(self.decoder.settings.block_size),
-            jnp.asarray([q.temperature for q in requests], jnp.float32),
-            jax.vmap(jax.random.key)(jnp.asarray([q.seed for q in requests], jnp.uint32)),
+            ids,
+            np.asarray([len(q.prompt_ids) for q in requests], np.int32),
+            np.asarray([q.threshold for q in requests], np.float32),
+            np.int32(self.decoder.settings.block_size),
+            np.asarray([q.temperature for q in requests], np.float32),
+            seed_keys([q.seed for q in requests]),
         )
 
     def _admit(self) -> None:
@@ -334,12 +305,12 @@ class Engine:
                 piece = p.stream.request.prompt_ids[p.done : p.done + c]
                 chunk[0, : len(piece)] = piece
                 p.state = self.decoder.prefill_chunk(
-                    self.params, p.state, jnp.asarray(chunk), jnp.asarray([p.done], jnp.int32)
+                    self.params, p.state, chunk, np.asarray([p.done], np.int32)
                 )
                 p.done += c
             if p.done >= len(p.stream.request.prompt_ids):
                 del self._prefills[slot]
-                self.state = self._insert(self.state, p.state, slot)
+                self.state = self.decoder.insert(self.state, p.state, np.int32(slot))
                 self._streams[slot], self._sent[slot] = p.stream, 0
 
     def run_once(self) -> bool:
@@ -351,25 +322,15 @@ class Engine:
         if self.active == 0:
             return bool(self._waiting or self._prefills)
         self.state = self.decoder.steps(self.params, self.state, self.steps_per_call)
-        s = jax.device_get(
-            (
-                self.state.tokens,
-                self.state.prompt_lengths,
-                self.state.new_tokens,
-                self.state.row_forwards,
-                self.state.forwards,
-            )
-        )
-        tokens, prompt_lengths, new_tokens, row_forwards, forwards = s
-        self.forwards += int(forwards)
+        new = self.decoder.read_new_tokens(self.state, self._sent, self._read_width)
+        self.forwards += int(new.forwards)
         free = np.zeros((self.slots,), bool)
         for slot, stream in enumerate(self._streams):
             if stream is None:
                 continue
             budget = stream.request.max_tokens
-            start = int(prompt_lengths[slot]) + self._sent[slot]
-            stop = int(prompt_lengths[slot]) + min(int(new_tokens[slot]), budget)
-            fresh = [int(t) for t in tokens[slot, start:stop]]
+            count = max(min(int(new.new_tokens[slot]), budget) - self._sent[slot], 0)
+            fresh = new.tokens[slot, :count].tolist()
             reason = None
             for i, t in enumerate(fresh):
                 if t in self.eos_ids:
@@ -381,13 +342,13 @@ class Engine:
             if reason is None and stream.cancelled.is_set():
                 reason = "cancelled"
             update = Update(
-                fresh, reason is not None, reason, self._sent[slot], int(row_forwards[slot])
+                fresh, reason is not None, reason, self._sent[slot], int(new.row_forwards[slot])
             )
             if fresh or update.done:
                 stream.put(update)
             if update.done:
                 self._streams[slot], free[slot] = None, True
-        self.state = self._retire(self.state, jnp.asarray(free))
+        self.state = self.decoder.free(self.state, free)
         return self.active > 0 or bool(self._waiting or self._prefills)
 
     def start(self) -> None:

@@ -251,3 +251,77 @@ def test_argmax_and_prob_confidence_equal_jax_bit_for_bit():
         )
         got = jax.jit(decode.ACCEPTANCE_RULES["prob"].confidence)(finite, token)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expect))
+
+
+def test_engine_api_insert_free_and_new_tokens(mid):
+    """The slot surgery a host loop leaves to the decoder: `read_new_tokens` is the slice of the
+    token buffer it replaces (re-reading past its width); `free` marks exactly the given rows
+    done and `steps` then carries them; a one-row state inserted into a batch mid-decode decodes
+    as its prompt alone, and the other rows as before."""
+    ids, lengths, _ = make_batch([5, 8, 4, 7], width=10, seed=8)
+    graphdef, params = nnx.split(mid)
+    dec = decode.Decoder(graphdef, settings(sampling=True))
+    thresholds, temps, seeds = [0.9, 0.6, 1.0, 0.7], [0.0, 0.8, 0.0, 0.5], [5, 2**32 - 1, 9, 4]
+
+    def prefill(rows):
+        return dec.prefill(
+            params,
+            ids[rows],
+            lengths[rows],
+            np.float32(thresholds)[rows],
+            np.int32(4),
+            np.float32(temps)[rows],
+            decode.seed_keys(np.asarray(seeds)[rows]),
+        )
+
+    def host(state):
+        return {k: np.asarray(v) for k, v in vars(state).items() if k not in ("cache", "row_keys")}
+
+    def check_read(state, sent, width):
+        full = host(state)
+        new = dec.read_new_tokens(state, sent, width)
+        for r, (p, n, s) in enumerate(zip(full["prompt_lengths"], full["new_tokens"], sent)):
+            np.testing.assert_array_equal(new.tokens[r, : n - s], full["tokens"][r, p + s : p + n])
+        assert new.tokens.shape[1] % width == 0
+        np.testing.assert_array_equal(new.new_tokens, full["new_tokens"])
+        np.testing.assert_array_equal(new.row_forwards, full["row_forwards"])
+        assert int(new.forwards) == int(full["forwards"])
+        one = dec.new_tokens(state, np.asarray(sent, np.int32), width)  # one fixed-width read
+        assert one.tokens.shape == (len(sent), width)
+        np.testing.assert_array_equal(np.asarray(one.tokens), new.tokens[:, :width])
+
+    # free: exactly the given rows are done, nothing else changes; steps carry them.
+    fresh = host(prefill([0, 1, 2]))
+    freed = dec.free(prefill([0, 1, 2]), np.asarray([True, False, True]))
+    got = host(freed)
+    np.testing.assert_array_equal(got.pop("done"), [True, False, True])
+    assert all(np.array_equal(got[k], fresh[k]) for k in got if k != "forwards")
+    stepped = host(dec.steps(params, freed, 2))
+    assert list(stepped["new_tokens"] > 0) == [False, True, False]
+    np.testing.assert_array_equal(stepped["tokens"][[0, 2]], fresh["tokens"][[0, 2]])
+
+    # new tokens mid-decode, from what the host has seen, with a width smaller than a call's.
+    batch = dec.steps(params, prefill([0, 1, 2]), 2)
+    sent = np.minimum([1, 0, 2], np.asarray(batch.new_tokens))
+    check_read(batch, sent, 2)
+
+    # insert row 3 into slot 1, reset the batch's forward count, decode to the end.
+    batch = dec.insert(batch, prefill([3]), np.int32(1))
+    batch = dec.free(batch, np.zeros(3, bool))
+    assert int(batch.forwards) == 0 and int(batch.new_tokens[1]) == 0
+    while not bool(dec.finished(batch)):
+        batch = dec.steps(params, batch, 3)
+    check_read(batch, [0, 0, 0], 3)  # every completion, in several reads of 3
+    result = dec.result(batch)
+    for slot, r in enumerate([0, 3, 2]):
+        alone = qwen_generate(
+            mid,
+            ids[r : r + 1],
+            lengths[r : r + 1],
+            block_size=4,
+            threshold=thresholds[r],
+            max_new_tokens=MAX_NEW,
+            temperature=temps[r],
+            seed=seeds[r],
+        )
+        np.testing.assert_array_equal(np.asarray(result.tokens)[slot], alone.tokens[0])

@@ -3,7 +3,9 @@ its prompt alone with its settings, whatever else is in flight and whenever it w
 (staggered arrivals, more requests than slots, mixed thresholds, budgets, temperatures and
 seeds), and a cancelled request frees its slot for the next one."""
 
+import ast
 import dataclasses
+import pathlib
 
 import jax
 import numpy as np
@@ -262,3 +264,14 @@ def test_a_trimmed_vocabulary_pads_with_its_own_id():
         eng.submit(engine.Request((5, 151643), 4))
     with pytest.raises(InputError, match="^pad_id: 151643"):
         qwen_engine(small, pad_id=151643, mask_id=127, **kw)
+
+
+def test_the_engine_leaves_jax_to_the_decoder():
+    """engine.py keeps slot ids, queues and numpy host arrays; every device update is a
+    `Decoder` method (insert, steps, read_new_tokens, free): it imports neither jax nor
+    jax.numpy."""
+    tree = ast.parse(pathlib.Path(engine.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "jax.numpy" not in imported
+    assert not [m for m in imported if m == "jax" or m.startswith("jax.")], imported
