@@ -30,48 +30,48 @@ import numpy as np
 from absl import flags
 
 from mars_jax import cli, config, decode, sources, vocab
+from mars_jax.decode_options import DecodeOptions, OptionError
+from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
 from mars_jax.rows import read_rows
 from mars_jax.tokenizer import Tokenizer
 
 
 class TextStream:
-    """An ``on_accept`` callback for `decode.generate` that writes each row's newly committed text
-    after every forward: ``write(row, text)``. Tokens from a row's first EOS on are dropped; a
-    chunk that ends inside a multi-byte character is held back until the character is complete,
-    or until `flush` (after the decode) writes what is left, so that each row's chunks add up
-    to the decoded text of its completion, an incomplete last character included.
-    """
+    """An ``on_accept`` callback for `decode.generate`: each row's newly committed text, one
+    `Detokenizer` per row, handed to ``write(row, text)`` after every forward (nothing from a
+    row's first stop id on). `finish` (after the decode) writes what was held back (an
+    incomplete last character); each row's chunks then add up to `texts`."""
 
     def __init__(
-        self, tok: Tokenizer, rows: int, eos_ids: Sequence[int], write: Callable[[int, str], None]
+        self,
+        tok: Tokenizer,
+        rows: int,
+        eos_ids: Sequence[int],
+        write: Callable[[int, str], None] | None = None,
     ):
-        self.tok, self.eos, self.write = tok, set(int(e) for e in eos_ids), write
-        self.ids: list[list[int]] = [[] for _ in range(rows)]
-        self.shown = [""] * rows
-        self.ended = [False] * rows
+        self.rows = [Detokenizer(tok, stop_ids=eos_ids) for _ in range(rows)]
+        self.write = write
 
     def __call__(self, tokens: np.ndarray, counts: np.ndarray) -> None:
         """tokens int32 [R, C], counts int32 [R]: row r committed tokens[r, :counts[r]]."""
         for r, (row, n) in enumerate(zip(np.asarray(tokens), np.asarray(counts))):
-            for t in row[:n].tolist():
-                if self.ended[r] or t in self.eos:
-                    self.ended[r] = True
-                    break
-                self.ids[r].append(t)
-            self._show(r, final=False)
+            self._write(r, self.rows[r].add(row[:n].tolist()))
 
-    def _show(self, r: int, final: bool) -> None:
-        text = self.tok.decode(self.ids[r])
-        if (text.endswith("\ufffd") and not final) or len(text) <= len(self.shown[r]):
-            return
-        self.write(r, text[len(self.shown[r]) :])
-        self.shown[r] = text
+    def add(self, completions: Sequence[Sequence[int]]) -> None:
+        """Reads whole completions at once (a decode without ``on_accept``)."""
+        for r, ids in enumerate(completions):
+            self._write(r, self.rows[r].add(ids))
 
-    def flush(self) -> None:
-        """Writes each row's text still held back (a completion that ended inside a character)."""
-        for r in range(len(self.ids)):
-            self._show(r, final=True)
+    def finish(self) -> list[str]:
+        """Writes each row's text still held back; returns every row's whole text."""
+        for r, row in enumerate(self.rows):
+            self._write(r, row.finish())
+        return [row.text for row in self.rows]
+
+    def _write(self, row: int, text: str) -> None:
+        if text and self.write is not None:
+            self.write(row, text)
 
 
 def complete(
@@ -96,7 +96,8 @@ def complete(
     Hugging Face directory's ``mars_block_size``, `sources.block_size_of`);
     ``system`` is an optional system message; text in a prompt that spells a control token
     stays text unless ``parse_control_tokens``; ``stream(row, text)``, if given, receives each
-    row's text as it is committed (see `TextStream`); the other arguments are as in
+    row's text as it is committed (`TextStream`: the returned texts are those chunks); the
+    other arguments are as in
     `decode.generate` and are checked (`config.check_decoding`) before the run is loaded.
     Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
     EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}.
@@ -124,25 +125,28 @@ def complete(
         )
         for p in prompts
     ]
-    text_stream = None if stream is None else TextStream(tok, len(prompts), opened.stop_ids, stream)
+    text_stream = TextStream(tok, len(prompts), opened.stop_ids, stream)
     out = decode.generate(
         opened.model,
         *decode.pad_prompts(ids, opened.pad_id),
         options,
         mask_id=opened.mask_id,
         eos_ids=opened.stop_ids,
-        on_accept=text_stream,
+        on_accept=None if stream is None else text_stream,
     )
-    if text_stream is not None:
-        text_stream.flush()
+    if stream is None:
+        text_stream.add(out.completions())
+    texts = text_stream.finish()
     return [
         {
             "prompt": prompt,
             "tokens": vocab.qwen_ids(tok, tokens),
-            "text": tok.decode(tokens),
+            "text": text,
             "tokens_per_forward": float(tpf),
         }
-        for prompt, tokens, tpf in zip(prompts, out.completions(), out.row_tokens_per_forward)
+        for prompt, tokens, text, tpf in zip(
+            prompts, out.completions(), texts, out.row_tokens_per_forward
+        )
     ]
 
 
@@ -170,8 +174,11 @@ def read_prompts(path: str) -> tuple[list[str], list[float | None]]:
             isinstance(threshold, bool) or not isinstance(threshold, (int, float))
         ):
             raise InputError(f"{path}: row {i}: 'threshold' must be a number, got {threshold!r}")
-        if threshold is not None and not 0 < threshold <= 1:
-            raise InputError(f"{path}: row {i}: 'threshold' must lie in (0, 1], got {threshold!r}")
+        if threshold is not None:
+            try:
+                DecodeOptions(threshold=threshold)  # the one check of the range
+            except OptionError as e:
+                raise InputError(f"{path}: row {i}: 'threshold' {e.reason}, got {threshold!r}")
         prompts.append(prompt)
         thresholds.append(threshold)
     return prompts, thresholds

@@ -31,10 +31,11 @@ import lm_eval.models  # noqa: F401  lm_eval's own models: it adds them only to 
 import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import chunks, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.models.utils import chunks, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mars_jax import config, decode, sources
+from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
 
@@ -70,7 +71,8 @@ class MarsLM(TemplateLM):
 
         ``generate_until`` decodes each context (raw text; lm_eval renders the chat template first
         with ``--apply_chat_template``, through `apply_chat_template`) with `decode.generate_batched`
-        at the run's threshold, then cuts the text at the first ``until`` string; ``max_gen_toks``
+        at the run's threshold, its text cut where an ``until`` string first completes (a
+        `Detokenizer`: as transformers' stop criterion then lm_eval's split give); ``max_gen_toks``
         bounds the completion in tokens. ``loglikelihood`` sums the log-probabilities of the
         continuation's tokens under the plain causal forward (the clean AR path, no masks) and says
         whether greedy decoding would give them; lm_eval's `TemplateLM` splits the text into
@@ -120,12 +122,7 @@ class MarsLM(TemplateLM):
         self.options = options.replace(block_size=opened.block_size)
         self.ids = opened.decode_ids()  # a trimmed run's ids
         self.decode_kwargs = dict(  # what get_model_info reports
-            block_size=self.options.block_size,
-            threshold=self.options.threshold,
-            cache_mode=self.options.cache_mode.value,
-            rule=self.options.rule_name,
-            mask_id=opened.mask_id,
-            eos_ids=opened.stop_ids,
+            **self.options.summary(), mask_id=opened.mask_id, eos_ids=opened.stop_ids
         )
         self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
         self._rendered: dict[str, list[int]] = {}  # apply_chat_template's text -> its ids
@@ -264,8 +261,8 @@ class MarsLM(TemplateLM):
             self.accepted += int(out.accepted.sum())
             self.forwards += int(out.row_forwards.sum())
             for i, tokens in zip(rows, out.completions()):
-                text = self.tokenizer.decode(tokens)
-                texts[i] = postprocess_generated_text(text, settings[i]["until"], None)
+                text = Detokenizer(self.tokenizer, [u for u in settings[i]["until"] if u])
+                texts[i] = text.add(tokens) + text.finish()
                 self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])
         log.info(
             "mars_jax: %.3f tokens per forward so far (threshold %.2f)",

@@ -4,20 +4,29 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
       --threshold=0.95 --max_prompt_len=1024 --max_new_tokens=512 --max_waiting=64
       --prefill_chunk=256 --mesh=1,1,8]
 
-Endpoints: ``POST /v1/completions`` (``prompt``: a string, tokenized as is) and ``POST
-/v1/chat/completions`` (``messages`` rendered with the run's chat template), ``GET /v1/models``,
-``GET /health``. Per request: ``max_tokens`` (default 16 for completions, the server's
-``--max_new_tokens`` for chat), ``temperature`` (default 0: greedy; MARS accepts several
-tokens per forward where it is confident), ``seed``, ``stop`` (a string or a list of up to 4),
-``stream`` (server-sent events, ``data: [DONE]`` last), and the extra field ``threshold`` (in
-(0, 1]; default ``--threshold``; 1.0 is exactly AR decoding). ``usage`` adds
+Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is) and ``POST
+/v1/chat/completions`` (``messages``: roles system, user, assistant, each content a string or a
+list of text parts, rendered with the run's chat template), ``GET /v1/models``, ``GET /health``.
+Requests and responses are the typed models of `mars_jax.openai_protocol` (OpenAI's wire
+format, read in strict mode: a boolean is not a number, a float not an integer). Per request:
+``model`` (this server's name, or absent), ``max_tokens`` or ``max_completion_tokens`` (default
+16 for completions, the server's ``--max_new_tokens`` for chat; at most that), ``temperature``
+(in [0, 2]; default 0: greedy; MARS accepts several tokens per forward where it is confident),
+``seed`` (0 to 2**32-1), ``stop`` (a string or a list of up to 4, none empty), ``stream``
+(server-sent events, ``data: [DONE]`` last), and the extra field ``threshold`` (in (0, 1];
+default ``--threshold``; 1.0 is exactly AR decoding). ``user`` and ``stream_options`` are
+accepted and ignored; OpenAI's fields this server does not implement (``n``, ``best_of``,
+``top_p``, ``frequency_penalty``, ``presence_penalty``, ``logprobs``, ``top_logprobs``,
+``echo``, ``logit_bias``, ``suffix``, ``response_format``) are accepted only at their neutral
+values (``openai_protocol.UNSUPPORTED``) or null; any other field is refused. ``usage`` adds
 ``tokens_per_forward`` to OpenAI's token counts.
 
 Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
-request (the message names the field), 404 for an unknown path or model, 429 when
-``--max_waiting`` requests already wait for a slot, 503 while shutting down. A client that
-disconnects frees its slot. SIGTERM stops accepting requests, lets those in flight finish,
-and exits 0. Built on aiohttp.
+request (``param`` is the field, from the validation error's location: ``max_tokens``,
+``messages[1].content``, ``stop[0]``; the message names it too), 404 for an unknown path or
+model, 429 when ``--max_waiting`` requests already wait for a slot, 503 while shutting down. A
+client that disconnects frees its slot. SIGTERM stops accepting requests, lets those in flight
+finish, and exits 0. Built on aiohttp.
 """
 
 from __future__ import annotations
@@ -28,86 +37,22 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Sequence
 
 from absl import flags, logging
 from aiohttp import web
 
 from mars_jax import cli, engine, sharding, sources
+from mars_jax import openai_protocol as protocol
+from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
-
-# Fields of OpenAI's requests that are accepted and ignored (at their neutral values).
-_IGNORED = {
-    "user",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "top_p",
-    "best_of",
-    "suffix",
-    "stream_options",
-    "response_format",
-}
-_COMMON = {
-    "model",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "seed",
-    "stop",
-    "stream",
-    "threshold",
-    "n",
-}
-_FIELDS = {
-    "completions": _COMMON | {"prompt"},
-    "chat": _COMMON | {"messages"},
-}
-MAX_STOPS = 4
-
-
-class RequestError(Exception):
-    """A request refused with HTTP ``status`` (400 by default), naming its field ``param``."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
+from mars_jax.openai_protocol import RequestError
 
 
 def error_response(message: str, status: int, param: str | None = None) -> web.Response:
-    """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, with ``status``."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
-    return web.json_response(
-        {
-            "error": {
-                "message": message,
-                "type": kind.get(status, "server_error"),
-                "param": param,
-                "code": None,
-            }
-        },
-        status=status,
-    )
-
-
-def _number(body: dict, key: str, default, kind=float, low=None, high=None, low_open=False):
-    """``body[key]`` as ``kind`` (``default`` when absent or null), checked to be a number (an
-    integer for ``kind=int``; never a boolean) in [low, high] ((low, high] with ``low_open``);
-    RequestError naming ``key`` otherwise."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise RequestError(f"{key} must be {'a number' if kind is float else 'an integer'}", key)
-    if (low is not None and (value <= low if low_open else value < low)) or (
-        high is not None and value > high
-    ):
-        bounds = f"{'(' if low_open else '['}{low}, {high}]"
-        raise RequestError(f"{key}={value!r} must lie in {bounds}", key)
-    return kind(value)
+    """OpenAI's error body (`openai_protocol.ErrorResponse`) with ``status``."""
+    body = protocol.ErrorResponse.of(message, status, param)
+    return web.json_response(body.model_dump(), status=status)
 
 
 class Server:
@@ -121,65 +66,47 @@ class Server:
         self.closing = False
 
     # -- parsing ----------------------------------------------------------------------------------
-    def parse(self, body: Any, kind: str) -> tuple[list[int], engine.Request, list[str], bool]:
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
-        unknown = sorted(set(body) - _FIELDS[kind] - _IGNORED)
-        if unknown:
-            raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
-        if body.get("model") not in (None, self.model_name):
+    def parse(
+        self, body: bytes | str, kind: str
+    ) -> tuple[list[int], engine.Request, list[str], bool]:
+        """(prompt ids, engine request, stop strings, streaming) of the JSON ``body`` of endpoint
+        ``kind`` ("completions" or "chat"): the wire format checked by
+        `openai_protocol.parse_request`, then what depends on this server (the model's name, the
+        prompt's length, the largest budget); `RequestError` naming the field otherwise."""
+        req = protocol.parse_request(kind, body)
+        if req.model not in (None, self.model_name):
             raise RequestError(
-                f"model {body['model']!r} is not served here (this server: {self.model_name!r})",
+                f"model {req.model!r} is not served here (this server: {self.model_name!r})",
                 "model",
                 404,
             )
-        if body.get("n") not in (None, 1):
-            raise RequestError("n must be 1", "n")
-        if not isinstance(body.get("stream", False), bool):
-            raise RequestError("stream must be a boolean", "stream")
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if (
-            not isinstance(stops, list)
-            or not all(isinstance(s, str) and s for s in stops)
-            or (len(stops) > MAX_STOPS)
-        ):
-            raise RequestError(
-                f"stop must be a non-empty string or a list of up to {MAX_STOPS}", "stop"
-            )
-        limit = self.engine.max_prompt_len
         if kind == "completions":
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str) or not prompt:
-                raise RequestError("prompt must be a non-empty string", "prompt")
-            self._check_length(prompt, "prompt")
-            ids = self.tok.encode(prompt)
+            self._check_length(req.prompt, "prompt")
+            ids, where = self.tok.encode(req.prompt), "prompt"
         else:
-            ids = self.tok.apply_chat_template(
-                self._messages(body.get("messages")), add_generation_prompt=True
-            )
+            for i, m in enumerate(req.messages):
+                self._check_length(m.text, f"messages[{i}].content")
+            messages = [{"role": m.role, "content": m.text} for m in req.messages]
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+            where = "messages"
+        limit = self.engine.max_prompt_len
         if len(ids) > limit:
             raise RequestError(
-                f"the prompt is {len(ids)} tokens; this server takes at most {limit}",
-                "prompt" if kind == "completions" else "messages",
+                f"{where}: the prompt is {len(ids)} tokens; this server takes at most {limit}",
+                where,
             )
-        default_max = 16 if kind == "completions" else self.engine.max_new_tokens
-        key = (
-            "max_completion_tokens"
-            if body.get("max_completion_tokens") is not None
-            else ("max_tokens")
-        )
-        max_tokens = _number(body, key, default_max, int, 1, self.engine.max_new_tokens)
+        largest = self.engine.max_new_tokens
+        max_tokens, field = req.budget(16 if kind == "completions" else largest)
+        if max_tokens > largest:
+            raise RequestError(f"{field}={max_tokens!r} must lie in [1, {largest}]", field)
         request = engine.Request(
             tuple(ids),
             max_tokens,
-            threshold=_number(body, "threshold", self.threshold, float, 0, 1, low_open=True),
-            temperature=_number(body, "temperature", 0.0, float, 0, 2),
-            seed=_number(body, "seed", 0, int, 0, 2**32 - 1),
+            threshold=self.threshold if req.threshold is None else req.threshold,
+            temperature=0.0 if req.temperature is None else req.temperature,
+            seed=0 if req.seed is None else req.seed,
         )
-        return ids, request, stops, body.get("stream", False)
+        return ids, request, req.stops, req.streaming
 
     def _check_length(self, text: str, param: str) -> None:
         # Far beyond any prompt that fits (a token is rarely under 1 character): refused unread.
@@ -188,66 +115,37 @@ class Server:
                 f"{param} is {len(text)} characters; too long for this server", param
             )
 
-    def _messages(self, messages) -> list[dict]:
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list", "messages")
-        out = []
-        for i, m in enumerate(messages):
-            where = f"messages[{i}]"
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                raise RequestError(f"{where}.role must be system, user or assistant", where)
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI's content parts: text only
-                if not all(
-                    isinstance(p, dict)
-                    and p.get("type") == "text"
-                    and isinstance(p.get("text"), str)
-                    for p in content
-                ):
-                    raise RequestError(f"{where}.content: only text parts are supported", where)
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise RequestError(f"{where}.content must be a string", where)
-            self._check_length(content, f"{where}.content")
-            out.append({"role": m["role"], "content": content})
-        return out
-
     # -- decoding ---------------------------------------------------------------------------------
     async def decode(self, ids, request: engine.Request, stops: list[str]):
-        """Yields (text delta, finish_reason or None, usage or None) as tokens are committed."""
+        """Yields (text delta, finish_reason or None, usage or None) as tokens are committed:
+        one `Detokenizer` per request, so the work per update is that of its new tokens. A stop
+        string ends the request at the token that completes it (its slot freed); the counts
+        cover the tokens returned up to there, never what the same forward accepted after."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         stream = self.engine.submit(
             request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)
         )
-        tokens, shown = [], ""
-        hold = max((len(s) for s in stops), default=1) - 1
+        text = Detokenizer(self.tok, stops)
         try:
             while True:
                 update = await updates.get()
-                tokens += update.tokens
-                text = self.tok.decode(tokens)
-                reason = update.finish_reason
-                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, reason = text[:cut], "stop"
-                    stream.cancel()
-                elif not update.done:
-                    text = text[: max(len(shown), len(text) - hold)]
-                    if text.endswith("\ufffd"):  # a character still incomplete
-                        text = text.rstrip("\ufffd")
+                delta = text.add(update.tokens)
+                reason = text.finish_reason
+                if reason is None and update.done:
+                    delta += text.finish()
+                    reason = "length" if update.finish_reason == "length" else "stop"
                 usage = None
                 if reason is not None:
+                    stream.cancel()
                     usage = {
                         "prompt_tokens": len(ids),
-                        "completion_tokens": len(tokens),
-                        "total_tokens": len(ids) + len(tokens),
-                        "tokens_per_forward": len(tokens) / max(update.forwards, 1),
+                        "completion_tokens": text.tokens,
+                        "total_tokens": len(ids) + text.tokens,
+                        "tokens_per_forward": text.tokens / max(update.forwards, 1),
                     }
-                    reason = "length" if reason == "length" else "stop"
-                if len(text) > len(shown) or reason is not None:
-                    yield text[len(shown) :], reason, usage
-                    shown = text
+                if delta or reason is not None:
+                    yield delta, reason, usage
                 if reason is not None:
                     return
         finally:
@@ -287,15 +185,14 @@ def build_app(server: Server) -> web.Application:
             if server.closing:
                 return error_response("the server is shutting down", 503)
             try:
-                try:
-                    body = json.loads(await request.read())
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise RequestError(f"the body is not valid JSON ({e})") from None
-                ids, req, stops, streaming = server.parse(body, kind)
+                ids, req, stops, streaming = server.parse(await request.read(), kind)
                 try:
                     server.engine.check(req)
                 except InputError as e:
-                    raise RequestError(str(e), getattr(e, "field", None)) from None
+                    field = getattr(e, "field", None)
+                    if field == "prompt" and kind == "chat":
+                        field = "messages"
+                    raise RequestError(str(e), field) from None
                 if server.engine.waiting >= server.max_waiting:
                     raise RequestError(
                         "the server is busy: too many requests wait for a slot", None, 429
@@ -325,31 +222,28 @@ def build_app(server: Server) -> web.Application:
 
 
 def _body(kind, model, text, reason, usage, *, delta=False, first=False) -> dict:
+    """The JSON body of an answer of endpoint ``kind``, or with ``delta`` of one streamed chunk
+    (``first``: the chunk that names the role); ``usage`` (a dict or `openai_protocol.Usage`)
+    only where the request has ended."""
     rid = ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
-    if kind == "completions":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    elif delta:
-        content = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": content, "finish_reason": reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": reason,
-        }
-        obj = "chat.completion"
-    body = {
+    common = {
         "id": rid,
-        "object": obj,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "usage": None if usage is None else protocol.Usage.model_validate(usage),
     }
-    if usage is not None:
-        body["usage"] = usage
-    return body
+    if kind == "completions":
+        choice = protocol.CompletionChoice(text=text, finish_reason=reason)
+        body = protocol.Completion(choices=[choice], **common)
+    elif delta:
+        content = protocol.ChatDelta(role="assistant" if first else None, content=text)
+        choice = protocol.ChatChunkChoice(delta=content, finish_reason=reason)
+        body = protocol.ChatCompletionChunk(choices=[choice], **common)
+    else:
+        message = protocol.ChatMessage(content=text)
+        choice = protocol.ChatChoice(message=message, finish_reason=reason)
+        body = protocol.ChatCompletion(choices=[choice], **common)
+    return body.model_dump()
 
 
 async def _stream(request, kind, server, chunks) -> web.StreamResponse:

@@ -203,6 +203,15 @@ class Tokenizer:
                 f"{template_source}: chat template line {e.lineno}: {e.message}"
             ) from e
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` behind this one (its Rust encoder and decoders)."""
+        return self._tok
+
+    def backend_ids(self, ids) -> list[int]:
+        """``ids`` as the backend's ids: the same (a trimmed run's `MappedTokenizer` maps)."""
+        return [int(i) for i in ids]
+
     def id_to_token(self, token_id: int) -> str | None:
         """The text of id ``token_id`` (an added token's content), or None outside the ids."""
         return self._tok.id_to_token(int(token_id))

@@ -196,6 +196,15 @@ class MappedTokenizer:
         """Model ids of each string (see `Tokenizer.encode_batch`); raises as `encode`."""
         return [self._to_model(ids) for ids in self.qwen.encode_batch(texts)]
 
+    @property
+    def backend(self):
+        """The Qwen2.5 tokenizer's `tokenizers.Tokenizer` (its ids: `backend_ids`)."""
+        return self.qwen.backend
+
+    def backend_ids(self, ids) -> list[int]:
+        """Model ids ``ids`` as the backend's (Qwen2.5) ids."""
+        return self.vocab.to_qwen(list(ids)).tolist()
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """The text of model ids ``ids`` (see `Tokenizer.decode`)."""
         return self.qwen.decode(self.vocab.to_qwen(list(ids)), skip_special_tokens)

@@ -49,7 +49,7 @@ def test_the_cli_prints_the_formatted_text(tmp_path):
 )
 def test_streamed_chunks_add_up_to_the_completion_text(text):
     """Whatever prefix of the tokens a completion ends with (EOS or budget mid-character),
-    the chunks written, flush included, equal the decoded text (issue: 'Hi ' against
+    the chunks written, finish included, equal the decoded text (issue: 'Hi ' against
     'Hi \\ufffd'). One to three tokens committed per forward."""
     from mars_jax.tokenizer import load_tokenizer
 
@@ -63,7 +63,7 @@ def test_streamed_chunks_add_up_to_the_completion_text(text):
             for start in range(0, end, per_forward):
                 piece = ids[start : min(start + per_forward, end)]
                 stream(np.asarray([piece + [0] * (3 - len(piece))]), np.asarray([len(piece)]))
-            stream.flush()
+            stream.finish()
             assert "".join(chunks) == tok.decode(ids[:end]), (end, per_forward)
 
 

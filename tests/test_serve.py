@@ -1,7 +1,8 @@
 """The OpenAI-compatible server (`mars_jax.serve`) on 127.0.0.1: the official `openai` client
 for completions, chat and streaming, each answer equal to `decode.generate` of the prompt alone
 (cut at a stop string where one is given); OpenAI-style errors for 1,000 malformed or hostile
-requests while the server keeps serving correct answers; a client that disconnects mid-stream
+requests while the server keeps serving correct answers, each refusal's ``param`` naming its
+field (the wire format itself: tests/test_openai_protocol.py); a client that disconnects mid-stream
 frees its slot; 429 when the queue is full; and the command line, which on SIGTERM lets the
 request in flight finish and exits 0."""
 
@@ -151,14 +152,21 @@ def test_concurrent_requests_with_stop_strings(live, model, tok):
     for i in range(8):
         prompt = f"Problem {i}: {rng.randint(1, 999)} apples and {rng.randint(1, 99)} pears"
         threshold, max_tokens = rng.choice([1.0, 0.9, 0.5]), rng.randint(1, MAX_NEW)
-        text = tok.decode(alone(model, tok.encode(prompt), max_tokens, threshold))
+        tokens = alone(model, tok.encode(prompt), max_tokens, threshold)
+        text = tok.decode(tokens)
         stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 and i % 2 else None
         expected = text[: text.find(stop)] if stop else text
-        cases.append((prompt, threshold, max_tokens, stop, expected))
+        # Tokens counted: up to the first whose text completes the stop string (each prefix
+        # decoded again: the uncached reference of the server's detokenizer).
+        count = next(
+            (k for k in range(1, len(tokens) + 1) if stop and stop in tok.decode(tokens[:k])),
+            len(tokens),
+        )
+        cases.append((prompt, threshold, max_tokens, stop, expected, count))
     results = [None] * len(cases)
 
     def ask(i):
-        prompt, threshold, max_tokens, stop, _ = cases[i]
+        prompt, threshold, max_tokens, stop, *_ = cases[i]
         body = {"prompt": prompt, "max_tokens": max_tokens, "threshold": threshold}
         if stop:
             body["stop"] = [stop]
@@ -169,9 +177,11 @@ def test_concurrent_requests_with_stop_strings(live, model, tok):
         t.start()
     for t in threads:
         t.join(300)
-    for (prompt, _, _, stop, expected), (status, body) in zip(cases, results):
+    for (prompt, _, _, stop, expected, count), (status, body) in zip(cases, results):
         assert status == 200, body
         assert body["choices"][0]["text"] == expected, (prompt, stop)
+        # Never the tokens the same forward accepted after the stop string.
+        assert body["usage"]["completion_tokens"] == count, (prompt, stop)
         if stop:
             assert body["choices"][0]["finish_reason"] == "stop"
 
@@ -245,6 +255,71 @@ def test_hostile_requests_get_json_errors_and_the_server_keeps_serving(live, mod
         )
     assert status == 200
     assert body["choices"][0]["text"] == tok.decode(alone(model, tok.encode("hello"), 3, 1.0))
+
+
+def test_errors_name_their_field_and_neutral_openai_fields_are_accepted(live, model, tok):
+    """Through HTTP: each refusal's ``param`` is the field (from the request model's validation,
+    or the server's own checks), and OpenAI's unimplemented fields at their neutral values change
+    nothing."""
+    _, running = live
+    good = {"prompt": "hello", "max_tokens": 2, "threshold": 1.0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {**good, "nonsense_field": 1}, 400, "nonsense_field"),
+        ("/v1/completions", {**good, "top_p": 0.5}, 400, "top_p"),
+        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/completions", {**good, "max_tokens": True}, 400, "max_tokens"),
+        ("/v1/completions", {**good, "max_tokens": MAX_NEW + 1}, 400, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {**chat, "max_completion_tokens": 10**9},
+            400,
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {**good, "stop": ["a", ""]}, 400, "stop[1]"),
+        ("/v1/completions", {**good, "prompt": "word " * (WIDTH + 10)}, 400, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            400,
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": "word " * (WIDTH + 10)}]},
+            400,
+            "messages",
+        ),
+        ("/v1/completions", {**good, "model": "gpt-4"}, 404, "model"),
+        ("/v1/completions", b"[1, 2]", 400, None),
+    ]
+    for path, body, status, param in cases:
+        got, answer = post(running, path, body)
+        assert (got, answer["error"]["param"]) == (status, param), (body, answer)
+        assert param is None or param in answer["error"]["message"]
+    neutral = {
+        "n": 1,
+        "best_of": 1,
+        "top_p": 1,
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logprobs": None,
+        "top_logprobs": None,
+        "echo": False,
+        "logit_bias": {},
+        "suffix": None,
+        "user": "someone",
+        "stream_options": None,
+    }
+    status, body = post(running, "/v1/completions", {**good, **neutral, "model": "tiny"})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == tok.decode(alone(model, tok.encode("hello"), 2, 1.0))
+    status, body = post(
+        running,
+        "/v1/chat/completions",
+        {**chat, "response_format": {"type": "text"}, "logprobs": False, "n": None},
+    )
+    assert status == 200 and body["object"] == "chat.completion", body
 
 
 def test_disconnect_mid_stream_frees_the_slot(model, tok):
