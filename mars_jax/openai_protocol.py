@@ -307,6 +307,17 @@ class Usage(BaseModel):
     tokens_per_forward: float
 
 
+class _Answer(_Body):
+    """What every answer carries; ``object`` and ``choices`` are each kind's own."""
+
+    omitted_when_none = ("usage",)
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -314,17 +325,11 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class Completion(_Body):
+class Completion(_Answer):
     """A ``/v1/completions`` answer, and each chunk of a streamed one (``usage`` in the last)."""
 
-    omitted_when_none = ("usage",)
-
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class ChatMessage(BaseModel):
@@ -338,17 +343,11 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletion(_Body):
+class ChatCompletion(_Answer):
     """A ``/v1/chat/completions`` answer."""
 
-    omitted_when_none = ("usage",)
-
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ChatDelta(_Body):
@@ -365,15 +364,9 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Body):
+class ChatCompletionChunk(_Answer):
     """One server-sent event of a streamed ``/v1/chat/completions`` answer (``usage`` in the
     last)."""
 
-    omitted_when_none = ("usage",)
-
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
