@@ -19,17 +19,9 @@ import numpy as np
 from absl import app, flags
 
 from mars_jax import decode, sources
+from tools import smollm2
 
-PROMPTS = [  # chat prompts whose greedy answers run past 128 tokens
-    "Write a short story about a robot who learns to paint.",
-    "Explain how photosynthesis works.",
-    "Describe the water cycle step by step.",
-    "Write an essay about the importance of reading.",
-    "Give me five tips for learning a new language, with a sentence on each.",
-    "Explain the difference between a virus and a bacterium.",
-    "Write a Python function that checks whether a string is a palindrome, and explain it.",
-    "What are the causes of the French Revolution?",
-]
+PROMPTS = list(smollm2.PARITY_PROMPTS)
 
 
 def transformers_tokens(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:

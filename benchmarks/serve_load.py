@@ -39,6 +39,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mars_jax import engine, serve, sources, vocab  # noqa: E402
+from mars_jax.decode_options import DecodeOptions  # noqa: E402
 from mars_jax.rows import read_rows  # noqa: E402
 from mars_jax.synthetic import arithmetic_problems  # noqa: E402
 from mars_jax.tokenizer import load_tokenizer  # noqa: E402
@@ -159,12 +160,14 @@ async def drive(url, work, threshold):
 
 
 def run_mode(mode, model, tok, block_size, name, work):
+    options = DecodeOptions(
+        block_size=block_size, threshold=FLAGS.threshold, max_new_tokens=FLAGS.max_tokens
+    )
     eng = engine.Engine(
         model,
+        options,
         slots=FLAGS.slots,
         max_prompt_len=FLAGS.max_prompt_len,
-        max_new_tokens=FLAGS.max_tokens,
-        block_size=block_size,
         eos_ids=vocab.stop_ids(tok),
         mask_id=tok.mask_id,
         pad_id=tok.pad_id,
@@ -174,7 +177,7 @@ def run_mode(mode, model, tok, block_size, name, work):
         refill=mode != "static",
     )
     eng.start()
-    server = serve.Server(eng, tok, model_name=name, threshold=FLAGS.threshold, max_waiting=10**6)
+    server = serve.Server(eng, tok, model_name=name, max_waiting=10**6)
     background = serve.Background(serve.build_app(server))
     threshold = 1.0 if mode == "ar" else FLAGS.threshold
     forwards0 = eng.forwards

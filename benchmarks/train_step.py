@@ -48,8 +48,8 @@ from absl import flags
 from mars_jax import cli, sharding, train, train_step
 from mars_jax import config as config_lib
 from mars_jax.batches import Example
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.model import ModelConfig, abstract_params
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import MASK_ID
 
 
@@ -92,7 +92,7 @@ def matmul_peak(dtype: str, size: int, repeats: int = 5) -> float:
 def synthetic_batch(rows: int, length: int, label_fraction: float, seed: int = 0) -> dict:
     """{input_ids, labels} int32 [rows, length]: ids uniform over the ordinary Qwen2.5 tokens
     (below the special ones), labels = ids on the last ``round(label_fraction * length)``
-    positions of each row and `objectives.IGNORE_INDEX` before them (prompt, then answer)."""
+    positions of each row and `common_types.IGNORE_INDEX` before them (prompt, then answer)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 151643, size=(rows, length), dtype=np.int32)
     labels = np.full_like(ids, IGNORE_INDEX)

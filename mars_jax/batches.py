@@ -20,8 +20,8 @@ from mars_jax.chat import (
     row_tools,
     rows_to_messages,
 )
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.errors import InputError
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import SYNTHETIC, load_rows
 from mars_jax.tokenizer import ENDOFTEXT_ID, TemplateTimeout
 

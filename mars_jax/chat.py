@@ -12,8 +12,8 @@ import re
 import jinja2
 import numpy as np
 
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.errors import InputError
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import CONTROL_TOKENS, MASK_TOKEN, TemplateTimeout
 
 # Strings that the tokenizer turns into control tokens: in content they would end a turn early

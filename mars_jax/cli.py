@@ -32,7 +32,8 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as _config_flags_impl
 
 from mars_jax import config as config_lib
-from mars_jax import platforms, storage
+from mars_jax import platforms, sources, storage
+from mars_jax.decode_options import CACHE_MODES, RULES, DecodeOptions
 from mars_jax.errors import StorageUnavailable, UserError
 
 
@@ -153,6 +154,55 @@ def workdir_flag(help: str = "Run directory.") -> flags.FlagHolder:
 def step_flag() -> flags.FlagHolder:
     """Defines ``--step`` (a checkpoint step; default: the latest)."""
     return flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+
+
+class DecodingFlags:
+    """The decoding flags of a program that decodes a model it opens (generate, serve):
+    ``--threshold``, ``--block_size``, ``--max_new_tokens``, ``--temperature``,
+    ``--cache_mode`` and ``--rule``, read into one `DecodeOptions` (`open`)."""
+
+    def __init__(
+        self,
+        *,
+        threshold: float,
+        max_new_tokens: int,
+        threshold_help: str,
+        budget_help: str,
+        flag_values: flags.FlagValues = flags.FLAGS,
+    ):
+        define = dict(flag_values=flag_values)
+        self.threshold = flags.DEFINE_float("threshold", threshold, threshold_help, **define)
+        self.block_size = flags.DEFINE_integer(
+            "block_size",
+            None,
+            "Block size (default: the run's, or config.json's mars_block_size).",
+            **define,
+        )
+        self.max_new_tokens = flags.DEFINE_integer(
+            "max_new_tokens", max_new_tokens, budget_help, **define
+        )
+        self.temperature = flags.DEFINE_float("temperature", 0.0, "0 = greedy.", **define)
+        self.cache_mode = flags.DEFINE_enum(
+            "cache_mode", "sliding", CACHE_MODES, "KV cache scheme.", **define
+        )
+        self.rule = flags.DEFINE_enum("rule", "prob", RULES, "Acceptance rule.", **define)
+
+    def open(
+        self, path: str, *, step: int | None = None, mesh=None, threshold=None
+    ) -> tuple[sources.Opened, DecodeOptions]:
+        """The model at ``path`` (`sources.open`, its checkpoint ``step``, on ``mesh``) and the
+        flags' options at its block size (``threshold``, if given, in place of the flag's: one
+        per row), checked before any weight is read."""
+        options = config_lib.check_decoding(
+            threshold=self.threshold.value if threshold is None else threshold,
+            block_size=self.block_size.value,
+            max_new_tokens=self.max_new_tokens.value,
+            temperature=self.temperature.value,
+            cache_mode=self.cache_mode.value,
+            rule=self.rule.value,
+        )
+        opened = sources.open(path, block_size=self.block_size.value, step=step, mesh=mesh)
+        return opened, options.replace(block_size=opened.block_size)
 
 
 def run(main: Callable[[], None]) -> None:

@@ -181,7 +181,7 @@ class DecodeOptions:
     def from_eval(cls, e, *, block_size: int = 1, threshold: float = 1.0) -> DecodeOptions:
         """The options of a run config's ``eval`` section at ``threshold`` and ``block_size``
         (eval.block_size resolved by the caller); a bad value raises `errors.SettingError`
-        naming the config key (``eval.cache_mode='x': must be one of (...)``)."""
+        naming the config key (``eval.cache_mode``, ``eval.thresholds``, ...)."""
         keys = {"threshold": "eval.thresholds", "block_size": "eval.block_size"}
         try:
             return cls(

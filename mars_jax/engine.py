@@ -125,11 +125,12 @@ class Engine:
 
     Args:
       model: a `Qwen2` (placed on its mesh, if any).
+      options: the engine's `DecodeOptions`: block_size, cache_mode (not block) and rule;
+        max_new_tokens is the largest budget of one request, threshold and temperature the
+        defaults a server gives its requests. Each request brings its own threshold,
+        temperature, budget and seed.
       slots: rows decoded together.
       max_prompt_len: the prompt width every request is padded to (longer ones are refused).
-      options: the engine's `DecodeOptions` (or, without it, its ``fields``): block_size,
-        cache_mode (not block) and rule; max_new_tokens is the largest budget of one request.
-        Each request brings its own threshold, temperature, budget and seed.
       eos_ids, mask_id, mesh, axis_rules: as `decode.generate`.
       pad_id: the id that fills prompt slots and empty rows (the tokenizer's ``pad_id``: a
         trimmed run's model id); any id of the embedding.
@@ -145,10 +146,10 @@ class Engine:
     def __init__(
         self,
         model: Qwen2,
+        options: DecodeOptions,
         *,
         slots: int,
         max_prompt_len: int,
-        options: DecodeOptions | None = None,
         eos_ids: Sequence[int],
         mask_id: int | None,
         pad_id: int,
@@ -158,12 +159,7 @@ class Engine:
         refill: bool = True,
         mesh=None,
         axis_rules: Any = None,
-        **fields,
     ):
-        if options is None:
-            options = DecodeOptions(**fields)
-        elif fields:
-            raise InputError(f"pass options or their fields, not both (got {sorted(fields)})")
         block_size, max_new_tokens = options.block_size, options.max_new_tokens
         chunk = max_prompt_len if prefill_chunk is None else prefill_chunk
         if min(slots, max_prompt_len, max_new_tokens, steps_per_call, chunk) < 1:
@@ -171,7 +167,7 @@ class Engine:
                 "slots, max_prompt_len, max_new_tokens, steps_per_call, prefill_chunk must be >= 1"
             )
         if options.cache_mode is CacheMode.BLOCK:
-            raise InputError("cache_mode='block' makes rows wait at block ends: use 'sliding'")
+            raise InputError("the block cache mode makes rows wait at block ends: use 'sliding'")
         sampling = sampling and options.rule_name != "verify"
         self.options = options
         graphdef, self.params = nnx.split(model)

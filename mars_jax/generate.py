@@ -1,14 +1,18 @@
 r"""Generation: complete prompts with a trained run's checkpoint or a Hugging Face directory.
 
   python -m mars_jax.generate --workdir=runs/mars --prompt="What is 12 * 7?" \
-      --threshold=0.95 [--block_size=4 --max_new_tokens=256 --cache_mode=sliding --rule=prob \
+      --threshold=0.95 [--block_size=4 --max_new_tokens=256 --cache_mode sliding --rule prob \
       --stream --json]
   python -m mars_jax.generate --workdir=runs/mars --prompts_file=prompts.jsonl --json
   python -m mars_jax.generate --workdir=hf_out/mars --prompt="What is 12 * 7?"
 
 ``--workdir`` is a run or a Hugging Face directory (`mars_jax.sources`).
 
-From Python: ``generate.complete(workdir, ["What is 12 * 7?"], threshold=0.95)``.
+From Python (`sources.open`, then one `DecodeOptions` at the model's block size)::
+
+  opened = sources.open("runs/mars")
+  options = DecodeOptions(block_size=opened.block_size, threshold=0.95)
+  generate.complete(opened, ["What is 12 * 7?"], options)
 
 Each prompt is a user turn rendered with the run's chat template; all prompts are decoded as one
 batch. ``--prompt`` may be repeated; ``--prompts_file`` is a JSONL file of objects
@@ -29,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, config, decode, sources, vocab
+from mars_jax import cli, decode, sources, vocab
 from mars_jax.decode_options import DecodeOptions, OptionError
 from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
@@ -75,46 +79,24 @@ class TextStream:
 
 
 def complete(
-    workdir: str,
+    opened: sources.Opened,
     prompts: Sequence[str],
+    options: DecodeOptions,
     *,
-    threshold: float | Sequence[float] = 0.95,
-    block_size: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    cache_mode: str = "sliding",
-    rule: str = "prob",
     system: str | None = None,
-    step: int | None = None,
     stream: Callable[[int, str], None] | None = None,
     parse_control_tokens: bool = False,
 ) -> list[dict]:
-    """Decodes ``prompts`` (user messages) as one batch with checkpoint ``step`` (default: the
-    latest) of the run in ``workdir``, or with the Hugging Face directory ``workdir``.
+    """Decodes ``prompts`` (user messages) as one batch with the model ``opened`` (`sources.open`)
+    as ``options`` say (its threshold one value or one per prompt).
 
-    ``threshold`` is one value or one per prompt; ``block_size`` defaults to the run's (a
-    Hugging Face directory's ``mars_block_size``, `sources.block_size_of`);
     ``system`` is an optional system message; text in a prompt that spells a control token
     stays text unless ``parse_control_tokens``; ``stream(row, text)``, if given, receives each
-    row's text as it is committed (`TextStream`: the returned texts are those chunks); the
-    other arguments are as in
-    `decode.generate` and are checked (`config.check_decoding`) before the run is loaded.
+    row's text as it is committed (`TextStream`: the returned texts are those chunks).
     Returns one dict per prompt: {"prompt" (str), "tokens" (completion ids,
     EOS excluded; Qwen2.5 ids, also for a trimmed run), "text", "tokens_per_forward" (float)}.
-    Raises FileNotFoundError for a directory that is neither a run with a checkpoint nor a
-    Hugging Face directory, InputError as `sources` (no block size, no mask token) and
-    ValueError as `decode.generate`.
+    Raises ValueError as `decode.generate`.
     """
-    options = config.check_decoding(
-        threshold=threshold,
-        block_size=block_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        cache_mode=cache_mode,
-        rule=rule,
-    )
-    opened = sources.open(workdir, block_size=block_size, step=step)
-    options = options.replace(block_size=opened.block_size)
     tok = opened.tokenizer
     system_turn = [{"role": "system", "content": system}] if system else []
     ids = [
@@ -191,14 +173,12 @@ def main() -> None:
     prompts_file = flags.DEFINE_string(
         "prompts_file", None, 'JSONL file of {"prompt": str, "threshold": float (optional)}.'
     )
-    threshold = flags.DEFINE_float("threshold", 0.95, "Confidence threshold; 1.0 = AR decoding.")
-    block_size = flags.DEFINE_integer(
-        "block_size", None, "Block size (default: the run's, or config.json's mars_block_size)."
+    decoding = cli.DecodingFlags(
+        threshold=0.95,
+        max_new_tokens=256,
+        threshold_help="Confidence threshold; 1.0 = AR decoding.",
+        budget_help="Completion budget per prompt.",
     )
-    max_new = flags.DEFINE_integer("max_new_tokens", 256, "Completion budget per prompt.")
-    temperature = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-    cache_mode = flags.DEFINE_enum("cache_mode", "sliding", decode.CACHE_MODES, "KV cache scheme.")
-    rule = flags.DEFINE_enum("rule", "prob", decode.RULES, "Acceptance rule.")
     system = flags.DEFINE_string("system", None, "Optional system message.")
     step = cli.step_flag()
     as_json = flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
@@ -222,17 +202,13 @@ def main() -> None:
             sys.stdout.write(f"[{row}] {text!r}\n" if tagged else text)
             sys.stdout.flush()
 
+        per_row = tuple(decoding.threshold.value if t is None else t for t in thresholds)
+        opened, options = decoding.open(workdir.value, step=step.value, threshold=per_row)
         results = complete(
-            workdir.value,
+            opened,
             prompts,
-            threshold=[threshold.value if t is None else t for t in thresholds],
-            block_size=block_size.value,
-            max_new_tokens=max_new.value,
-            temperature=temperature.value,
-            cache_mode=cache_mode.value,
-            rule=rule.value,
+            options,
             system=system.value,
-            step=step.value,
             stream=write if stream.value else None,
             parse_control_tokens=parse.value,
         )

@@ -32,9 +32,10 @@ import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import chunks, normalize_gen_kwargs
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from mars_jax import config, decode, sources
+from mars_jax.decode_options import DecodeOptions
 from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
 from mars_jax.model import causal_mask
@@ -80,13 +81,37 @@ class MarsLM(TemplateLM):
         ``generate_until`` calls so far, are logged, kept in ``tokens_per_forward`` and written into
     lm_eval's results (`get_model_info`).
 
-        Raises FileNotFoundError for a workdir without a checkpoint, ValueError for a batch size
-        that is not a positive integer, and (in ``generate_until``) for an unsupported generation
-        kwarg or as `decode.generate` (e.g. a threshold outside (0, 1]).
+        `from_args` raises FileNotFoundError for a workdir without a checkpoint and InputError for
+        a bad model argument; ``generate_until`` InputError for an unsupported generation kwarg.
     """
 
     def __init__(
         self,
+        opened: sources.Opened,
+        options: DecodeOptions,
+        *,
+        seed: int = 0,
+        max_gen_toks: int = 256,
+        max_length: int = 2048,
+        batch_size: int = 1,
+    ):
+        """lm_eval's model of the model ``opened`` (`sources.open`) decoding as ``options``;
+        lm_eval itself builds one from its model arguments (`from_args`)."""
+        super().__init__()
+        self.model, self.tokenizer, self.step = opened.model, opened.tokenizer, opened.step
+        self.workdir, self.options, self.batch_size = opened.path, options, batch_size
+        self.ids = opened.decode_ids()  # a trimmed run's ids
+        self.decode_kwargs = dict(  # what get_model_info reports
+            **options.summary(), mask_id=opened.mask_id, eos_ids=opened.stop_ids
+        )
+        self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
+        self._rendered: dict[str, list[int]] = {}  # apply_chat_template's text -> its ids
+        self.accepted = self.forwards = 0
+        log.info("mars_jax: %s step %d, %s", self.workdir, self.step, self.decode_kwargs)
+
+    @classmethod
+    def from_args(
+        cls,
         workdir: str,
         threshold: float = 1.0,
         block_size: int | None = None,
@@ -99,10 +124,10 @@ class MarsLM(TemplateLM):
         batch_size: int | str | None = None,
         max_batch_size=None,
         device=None,
-    ):
-        super().__init__()
-        # Checked before the model is loaded: decode.generate would refuse them only at the
-        # first generate_until request, after lm_eval's task setup and any loglikelihood tasks.
+    ) -> MarsLM:
+        """The model of lm_eval's model arguments (module docstring), its decoding settings
+        checked before the model is loaded: `decode.generate` would refuse them only at the
+        first generate_until request, after lm_eval's task setup and any loglikelihood tasks."""
         options = config.check_decoding(
             threshold=threshold,
             block_size=block_size,
@@ -111,23 +136,31 @@ class MarsLM(TemplateLM):
             prefix="mars_jax: ",
         )
         try:
-            self.batch_size = int(batch_size or 1)
+            rows = int(batch_size or 1)
         except ValueError:
             raise InputError(f"mars_jax: batch_size must be an integer, got {batch_size!r}")
-        if self.batch_size < 1:
+        if rows < 1:
             raise InputError(f"mars_jax: batch_size must be >= 1, got {batch_size!r}")
-        self.workdir = workdir
         opened = sources.open(workdir, block_size=block_size, step=step)
-        self.model, self.tokenizer, self.step = opened.model, opened.tokenizer, opened.step
-        self.options = options.replace(block_size=opened.block_size)
-        self.ids = opened.decode_ids()  # a trimmed run's ids
-        self.decode_kwargs = dict(  # what get_model_info reports
-            **self.options.summary(), mask_id=opened.mask_id, eos_ids=opened.stop_ids
+        return cls(
+            opened,
+            options.replace(block_size=opened.block_size),
+            seed=seed,
+            max_gen_toks=max_gen_toks,
+            max_length=max_length,
+            batch_size=rows,
         )
-        self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
-        self._rendered: dict[str, list[int]] = {}  # apply_chat_template's text -> its ids
-        self.accepted = self.forwards = 0
-        log.info("mars_jax: %s step %d, %s", workdir, self.step, self.decode_kwargs)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> MarsLM:
+        """lm_eval's constructor from a dict of model arguments (`from_args`)."""
+        more = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls.from_args(**arg_dict, **more)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm_eval's constructor from ``key=value,...`` model arguments (`from_args`)."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @property
     def eot_token_id(self) -> int:

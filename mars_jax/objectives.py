@@ -18,16 +18,13 @@ time, so the logits over the vocabulary are never materialised for a whole micro
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax.config import NOISY_WEIGHTINGS, NORMALIZATIONS  # noqa: F401 - the choices
+from mars_jax import config
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.model import Qwen2, causal_mask
-
-IGNORE_INDEX = -100  # label of a token that is not trained on (the loss ignores it)
 
 # The batch key holding the per-row weights of "inverse_t" (float32 [R]; see `noisy_row_weights`).
 NOISY_WEIGHT = "noisy_weight"
@@ -144,27 +141,27 @@ def cross_entropy(
         has = counts > 0
         per_row = nll.sum(axis=1) / jnp.maximum(counts, 1)
         return jnp.where(has, per_row, 0.0).sum() / jnp.maximum(has.sum(), 1)
-    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    raise ValueError(f"normalization must be one of {config.NORMALIZATIONS}, got {normalization!r}")
 
 
-def ar_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
+def ar_loss(model: Qwen2, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
     """Next-token SFT loss on the labelled tokens of ``batch`` ({input_ids, labels} int32 [R, L]).
 
-    ``cfg`` has normalization, max_label_tokens and ce_chunk_size (`token_nll`). Returns
+    Reads ``obj``'s normalization, max_label_tokens and ce_chunk_size (`token_nll`). Returns
     (loss, metrics) with metrics {loss, clean_loss, label_tokens}.
     """
     ids, labels = batch["input_ids"], batch["labels"]
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
     hidden, _ = model(ids, positions, causal_mask(ids.shape[1]))
-    pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
-    loss = cross_entropy(model, hidden, pos, tgt, valid, cfg.normalization, cfg.ce_chunk_size)
+    pos, tgt, valid = target_positions(labels, obj.max_label_tokens)
+    loss = cross_entropy(model, hidden, pos, tgt, valid, obj.normalization, obj.ce_chunk_size)
     return loss, {"loss": loss, "clean_loss": loss, "label_tokens": valid.sum()}
 
 
-def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-    """MARS loss CE(noisy) + ar_weight * CE(clean) (Sec. 3); ``cfg`` has block_size, ar_weight,
-    normalization, max_label_tokens, ce_chunk_size, mask_id and (optional, default "none")
-    noisy_weighting. L must be a multiple of block_size.
+def mars_loss(model: Qwen2, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
+    """MARS loss CE(noisy) + ar_weight * CE(clean) (Sec. 3); reads ``obj``'s block_size,
+    ar_weight, normalization, max_label_tokens, ce_chunk_size, mask_id and noisy_weighting.
+    L must be a multiple of block_size.
 
     With ``noisy_weighting="inverse_t"`` the batch also holds ``batch[NOISY_WEIGHT]`` (fp32 [R],
     from `noisy_row_weights`) and each row's noisy CE is multiplied by its weight.
@@ -174,23 +171,23 @@ def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
     """
     ids, labels = batch["input_ids"], batch["labels"]
     length = ids.shape[1]
-    if length % cfg.block_size:
+    if length % obj.block_size:
         raise ValueError(
-            f"sequence length {length} is not a multiple of block_size {cfg.block_size}"
+            f"sequence length {length} is not a multiple of block_size {obj.block_size}"
         )
-    ids2, positions2 = mars_inputs(ids, labels, cfg.mask_id)
-    hidden, _ = model(ids2, positions2, mars_attention_mask(length, cfg.block_size))
-    pos, tgt, valid = target_positions(labels, cfg.max_label_tokens)
+    ids2, positions2 = mars_inputs(ids, labels, obj.mask_id)
+    hidden, _ = model(ids2, positions2, mars_attention_mask(length, obj.block_size))
+    pos, tgt, valid = target_positions(labels, obj.max_label_tokens)
     weights = None
-    if cfg.noisy_weighting == "inverse_t":
+    if obj.noisy_weighting == "inverse_t":
         if NOISY_WEIGHT not in batch:
             raise ValueError(f'noisy_weighting "inverse_t" needs batch["{NOISY_WEIGHT}"]')
         weights = batch[NOISY_WEIGHT]
     ce = lambda h, w=None: cross_entropy(
-        model, h, pos, tgt, valid, cfg.normalization, cfg.ce_chunk_size, w
+        model, h, pos, tgt, valid, obj.normalization, obj.ce_chunk_size, w
     )
     noisy, clean = ce(hidden[:, :length], weights), ce(hidden[:, length:])
-    loss = noisy + cfg.ar_weight * clean
+    loss = noisy + obj.ar_weight * clean
     return loss, {
         "loss": loss,
         "noisy_loss": noisy,
@@ -202,7 +199,7 @@ def mars_loss(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
 OBJECTIVES = {"ar": ar_loss, "mars": mars_loss}
 
 
-def loss_fn(model: Qwen2, batch: dict[str, jax.Array], cfg: Any):
-    """Dispatches on ``cfg.name`` ("ar" or "mars"; a `config.ObjectiveConfig` checks its values
+def loss_fn(model: Qwen2, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
+    """Dispatches on ``obj.name`` ("ar" or "mars"; `config.ObjectiveConfig` checks its values
     when it is built); returns (scalar loss, metrics dict)."""
-    return OBJECTIVES[cfg.name](model, batch, cfg)
+    return OBJECTIVES[obj.name](model, batch, obj)

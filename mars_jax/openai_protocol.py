@@ -30,6 +30,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_serializer,
 )
@@ -141,6 +142,21 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _listed(value: Any, one: Callable[[str], Any], error: PydanticCustomError) -> Any:
+    """A list as given; a string as the list of ``one(string)``; anything else ``error``."""
+    if isinstance(value, str):
+        return [one(value)]
+    if isinstance(value, list):
+        return value
+    raise error
+
+
+def _stop(text: str) -> str:
+    if not text:
+        raise PydanticCustomError("stop_empty", "a stop string must not be empty")
+    return text
+
+
 class TextPart(_Strict):
     """One part of a message's content: only text parts are taken."""
 
@@ -163,18 +179,21 @@ class Message(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _parts(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [{"type": "text", "text": value}]
-        if isinstance(value, list):
-            return value
-        raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+        error = PydanticCustomError("content_type", "must be a string or a list of text parts")
+        return _listed(value, lambda text: {"type": "text", "text": text}, error)
 
     @property
     def text(self) -> str:
         return "".join(p.text for p in self.content)
 
 
-class _Request(_Strict):
+# The fields of `UNSUPPORTED`, each any value (None when absent), checked by `_Request`.
+_Unsupported = create_model(
+    "_Unsupported", __base__=_Strict, **{f: (Any, None) for f in UNSUPPORTED}
+)
+
+
+class _Request(_Unsupported):
     """The fields both endpoints take."""
 
     model: str | None = None
@@ -188,31 +207,16 @@ class _Request(_Strict):
     # Accepted and ignored: any string, anything.
     user: str | None = None
     stream_options: Any = None
-    # Accepted only at their neutral values (`UNSUPPORTED`).
-    n: Any = None
-    best_of: Any = None
-    top_p: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    logit_bias: Any = None
-    suffix: Any = None
-    response_format: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stops(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            if not value:
-                raise PydanticCustomError("stop_empty", "a stop string must not be empty")
-            return [value]
-        if value is None or isinstance(value, list):
+        if value is None:
             return value
-        raise PydanticCustomError(
+        error = PydanticCustomError(
             "stop_type", "must be a string or a list of up to {n} strings", {"n": MAX_STOPS}
         )
+        return _listed(value, _stop, error)
 
     @field_validator(*UNSUPPORTED, mode="after")
     @classmethod
@@ -318,11 +322,16 @@ class _Answer(_Body):
     usage: Usage | None = None
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice carries; its text (``text``, ``message`` or ``delta``) is each kind's."""
+
     index: int = 0
+    finish_reason: str | None = None
+
+
+class CompletionChoice(_Choice):
     text: str
     logprobs: None = None
-    finish_reason: str | None = None
 
 
 class Completion(_Answer):
@@ -337,17 +346,8 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: ChatMessage
-    finish_reason: str | None = None
-
-
-class ChatCompletion(_Answer):
-    """A ``/v1/chat/completions`` answer."""
-
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
 
 
 class ChatDelta(_Body):
@@ -358,10 +358,15 @@ class ChatDelta(_Body):
     content: str
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_Choice):
     delta: ChatDelta
-    finish_reason: str | None = None
+
+
+class ChatCompletion(_Answer):
+    """A ``/v1/chat/completions`` answer."""
+
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 class ChatCompletionChunk(_Answer):

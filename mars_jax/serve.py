@@ -2,7 +2,9 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
 
   python -m mars_jax.serve --workdir=runs/mars --port=8000 [--host=127.0.0.1 --slots=8
       --threshold=0.95 --max_prompt_len=1024 --max_new_tokens=512 --max_waiting=64
-      --prefill_chunk=256 --mesh=1,1,8]
+      --prefill_chunk=256 --mesh=1,1,8 --temperature=0 --rule prob]
+
+The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is) and ``POST
 /v1/chat/completions`` (``messages``: roles system, user, assistant, each content a string or a
@@ -11,7 +13,8 @@ Requests and responses are the typed models of `mars_jax.openai_protocol` (OpenA
 format, read in strict mode: a boolean is not a number, a float not an integer). Per request:
 ``model`` (this server's name, or absent), ``max_tokens`` or ``max_completion_tokens`` (default
 16 for completions, the server's ``--max_new_tokens`` for chat; at most that), ``temperature``
-(in [0, 2]; default 0: greedy; MARS accepts several tokens per forward where it is confident),
+(in [0, 2]; default ``--temperature``, 0: greedy; MARS accepts several tokens per forward where
+it is confident),
 ``seed`` (0 to 2**32-1), ``stop`` (a string or a list of up to 4, none empty), ``stream``
 (server-sent events, ``data: [DONE]`` last), and the extra field ``threshold`` (in (0, 1];
 default ``--threshold``; 1.0 is exactly AR decoding). ``user`` and ``stream_options`` are
@@ -44,6 +47,7 @@ from aiohttp import web
 
 from mars_jax import cli, engine, sharding, sources
 from mars_jax import openai_protocol as protocol
+from mars_jax.decode_options import DecodeOptions
 from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
 from mars_jax.openai_protocol import RequestError
@@ -58,11 +62,9 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
 class Server:
     """The request handling of `build_app`: parsing, prompt ids, and the text of each stream."""
 
-    def __init__(
-        self, eng: engine.Engine, tok, *, model_name: str, threshold: float, max_waiting: int
-    ):
+    def __init__(self, eng: engine.Engine, tok, *, model_name: str, max_waiting: int):
         self.engine, self.tok, self.model_name = eng, tok, model_name
-        self.threshold, self.max_waiting = threshold, max_waiting
+        self.max_waiting = max_waiting
         self.closing = False
 
     # -- parsing ----------------------------------------------------------------------------------
@@ -99,11 +101,12 @@ class Server:
         max_tokens, field = req.budget(16 if kind == "completions" else largest)
         if max_tokens > largest:
             raise RequestError(f"{field}={max_tokens!r} must lie in [1, {largest}]", field)
+        default = self.engine.options  # the server's flags
         request = engine.Request(
             tuple(ids),
             max_tokens,
-            threshold=self.threshold if req.threshold is None else req.threshold,
-            temperature=0.0 if req.temperature is None else req.temperature,
+            threshold=default.threshold if req.threshold is None else req.threshold,
+            temperature=default.temperature if req.temperature is None else req.temperature,
             seed=0 if req.seed is None else req.seed,
         )
         return ids, request, req.stops, req.streaming
@@ -293,83 +296,87 @@ class Background:
         self.thread.join(10)
 
 
+def mesh_for(workdir: str, mesh_shape: Sequence[int] | None, slots: int):
+    """(mesh, axis rules) of (data, fsdp, tensor) sizes ``mesh_shape`` (-1 takes the rest) for
+    the model in ``workdir``: its parameters and the ``slots`` sharded by its rules;
+    (None, None) without a shape (one device's decoder)."""
+    if mesh_shape is None:
+        return None, None
+    mesh = sharding.make_mesh(*mesh_shape)
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    if slots % rows:
+        raise InputError(f"slots: {slots}; must be a multiple of data x fsdp = {rows}")
+    return mesh, sources.sharding_rules(workdir)
+
+
 def make_server(
-    workdir: str,
+    opened: sources.Opened,
+    options: DecodeOptions,
     *,
     slots: int,
     max_prompt_len: int,
-    max_new_tokens: int,
-    threshold: float,
     max_waiting: int,
     steps_per_call: int = 4,
     prefill_chunk: int | None = None,
-    mesh_shape: Sequence[int] | None = None,
-    block_size: int | None = None,
+    mesh=None,
+    axis_rules=None,
     model_name: str | None = None,
 ) -> Server:
-    """The `Server` of the run (its latest checkpoint) or Hugging Face directory in
-    ``workdir`` (`mars_jax.sources`), its engine started.
-    ``mesh_shape``: (data, fsdp, tensor) sizes of the devices' mesh (-1 takes the rest); the
-    parameters and the slots are sharded by the run's rules (None: one device's decoder)."""
-    mesh = rules = None
-    if mesh_shape is not None:
-        mesh = sharding.make_mesh(*mesh_shape)
-        rows = mesh.shape["data"] * mesh.shape["fsdp"]
-        if slots % rows:
-            raise InputError(f"slots: {slots}; must be a multiple of data x fsdp = {rows}")
-        rules = sources.sharding_rules(workdir)
-    opened = sources.open(workdir, block_size=block_size, mesh=mesh)
-    model, tok = opened.model, opened.tokenizer
+    """The `Server` of the model ``opened`` (`sources.open`, on ``mesh`` if given), its engine
+    started: ``options`` are the requests' defaults, ``options.max_new_tokens`` the largest
+    budget a request may ask for."""
     eng = engine.Engine(
-        model,
+        opened.model,
+        options,
         slots=slots,
         max_prompt_len=max_prompt_len,
-        max_new_tokens=max_new_tokens,
-        block_size=opened.block_size,
         **opened.decode_ids(),
         steps_per_call=steps_per_call,
         prefill_chunk=prefill_chunk,
         mesh=mesh,
-        axis_rules=rules,
+        axis_rules=axis_rules,
     )
     eng.start()
-    name = model_name or os.path.basename(os.path.normpath(workdir))
-    return Server(eng, tok, model_name=name, threshold=threshold, max_waiting=max_waiting)
+    name = model_name or os.path.basename(os.path.normpath(opened.path))
+    return Server(eng, opened.tokenizer, model_name=name, max_waiting=max_waiting)
 
 
 def main() -> None:
     workdir = cli.workdir_flag(
         "The run (its latest checkpoint) or Hugging Face directory to serve."
     )
-    block_size = flags.DEFINE_integer(
-        "block_size", None, "Block size (default: the run's, or config.json's mars_block_size)."
+    decoding = cli.DecodingFlags(
+        threshold=0.95,
+        max_new_tokens=512,
+        threshold_help="Default threshold of a request.",
+        budget_help="Largest max_tokens of a request.",
     )
     host = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
     port = flags.DEFINE_integer("port", 8000, "Port to listen on.")
     slots = flags.DEFINE_integer("slots", 8, "Requests decoded together.")
-    threshold = flags.DEFINE_float("threshold", 0.95, "Default threshold of a request.")
     max_prompt = flags.DEFINE_integer("max_prompt_len", 1024, "Longest prompt, in tokens.")
-    max_new = flags.DEFINE_integer("max_new_tokens", 512, "Largest max_tokens of a request.")
     max_waiting = flags.DEFINE_integer("max_waiting", 64, "Requests waiting for a slot (429).")
     steps = flags.DEFINE_integer("steps_per_call", 4, "Forwards per device call.")
     chunk = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per prefill forward.")
-    mesh = flags.DEFINE_list(
+    mesh_sizes = flags.DEFINE_list(
         "mesh", None, "data,fsdp,tensor sizes of a mesh over this host's devices (e.g. 1,1,8)."
     )
     name = flags.DEFINE_string("model_name", None, "Model id (default: the workdir's name).")
 
     def run():
+        shape = None if mesh_sizes.value is None else [int(n) for n in mesh_sizes.value]
+        mesh, rules = mesh_for(workdir.value, shape, slots.value)
+        opened, options = decoding.open(workdir.value, mesh=mesh)
         server = make_server(
-            workdir.value,
+            opened,
+            options,
             slots=slots.value,
             max_prompt_len=max_prompt.value,
-            max_new_tokens=max_new.value,
-            threshold=threshold.value,
             max_waiting=max_waiting.value,
             steps_per_call=steps.value,
             prefill_chunk=chunk.value,
-            mesh_shape=None if mesh.value is None else [int(n) for n in mesh.value],
-            block_size=block_size.value,
+            mesh=mesh,
+            axis_rules=rules,
             model_name=name.value,
         )
         app = build_app(server)

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from mars_jax import huggingface, sharding, storage, vocab
 from mars_jax import workdir as wd
+from mars_jax.decode_options import DecodeOptions
 from mars_jax.errors import InputError, NotFound
 from mars_jax.model import abstract_params
 from mars_jax.tokenizer import load_tokenizer
@@ -103,6 +104,10 @@ class Opened:
     stop_ids: tuple[int, ...]
     pad_id: int
     mask_id: int | None
+
+    def options(self, **fields) -> DecodeOptions:
+        """The `DecodeOptions` of ``fields`` at this model's block size (unless one is given)."""
+        return DecodeOptions(**{"block_size": self.block_size, **fields})
 
     def decode_ids(self) -> dict:
         """``eos_ids``, ``mask_id`` and ``pad_id`` as `decode.generate` and the engine take them."""

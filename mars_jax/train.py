@@ -33,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,7 @@ from mars_jax import (
 )
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.checkpoints import Checkpoints, TrainState
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.errors import InputError, SettingError
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import (
@@ -68,7 +70,6 @@ from mars_jax.model import (
     add_vocab_rows,
     grown_vocab_size,
 )
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import SYNTHETIC, load_rows, read_rows
 from mars_jax.tokenizer import load_tokenizer
 
@@ -374,7 +375,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     metrics = MetricsWriter(workdir, start, num_steps, primary=distributed.is_primary())
     params, opt_state, position = state
     preemption.checkpoints = checkpoints
-    last = _run_steps(
+    trainer = Trainer(
         cfg,
         workdir,
         step,
@@ -387,97 +388,135 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         params,
         opt_state,
         position,
-        start,
-        num_steps,
     )
+    last = trainer.run(start, num_steps)
+    del trainer  # the last step's parameters and optimizer state: freed before the closes
     checkpoints.close()
     metrics.close()
     return last
 
 
-def _run_steps(
-    cfg,
-    workdir,
-    step,
-    schedule,
-    dataset,
-    checkpoints,
-    metrics,
-    preemption,
-    lock,
-    params,
-    opt_state,
-    position,
-    start,
-    num_steps,
-) -> dict:
-    """Steps ``start`` .. ``num_steps`` of `train`, saving every ``train.save_every``, at the
-    end, and at a preemption (then returning early); returns the last logged metrics record.
+@dataclasses.dataclass
+class Trainer:
+    """Steps ``start`` .. ``num_steps`` of `train` (`run`), saving every ``train.save_every``, at
+    the end, and at a preemption (then returning early); holds the loop's state: the run's
+    parts, the `checkpoints.TrainState` (``params``, ``opt_state``, data ``position``) and, in
+    `run`, the skip count and the throughput window of the next metrics record.
 
     A step with a non-finite loss or gradient norm leaves the parameters and optimizer state as
     they were (`train_step.make_train_step`); `SkippedSteps` counts it and logs its batch's
     rows. A skip never writes non-finite values into the parameters: a checkpoint after skipped
-    steps holds those of the last applied update. Raises FloatingPointError after
+    steps holds those of the last applied update. `run` raises FloatingPointError after
     ``train.max_consecutive_skips`` skips in a row, once saves in flight are written.
     """
-    t = cfg.train
-    skips = SkippedSteps(t.max_consecutive_skips, total=start - _applied_updates(opt_state))
-    last, t0, tokens, window_start = {}, time.time(), 0, time.time()
-    try:
-        for i in range(start, num_steps):
-            local = dataset[position]
-            row_ids = local.pop("row_ids")  # host-side only, not a step input
-            batch = distributed.global_batch(local, step.batch_sharding, t.batch_size)
-            position += 1
-            tokens = tokens + _batch_tokens(batch["labels"])
-            params, opt_state, values = step.fn(params, opt_state, batch)
-            done = i + 1
-            skips.add(done, values["skipped"], row_ids)
-            if done % t.log_every == 0 or done == num_steps:
-                skips.check()
-                now = time.time()
-                values = jax.device_get(values)
-                # The rate of this step's update, or of the update it would have made if skipped.
-                updates = _applied_updates(opt_state)
-                last = {
-                    "step": done,
-                    **{k: float(v) for k, v in values.items()},
-                    "skipped_steps": skips.total,
-                    "learning_rate": float(schedule(updates - 1 + values["skipped"])),
-                    "tokens_per_s": int(tokens) / (now - window_start),
-                    "progress": done / num_steps,
-                    "eta_s": (num_steps - done) / ((done - start) / (now - t0)),
-                }
-                tokens, window_start = 0, now
-                metrics.write(last)
-            saved = done % t.save_every == 0 or done == num_steps
-            if saved:
-                skips.check()
-                _before_save(lock, metrics)
-                checkpoints.save(done, TrainState(params, opt_state, position))
-            if done < num_steps and preemption.stop(done):
-                skips.check()
-                if not saved:
-                    _before_save(lock, metrics)
-                    checkpoints.save(done, TrainState(params, opt_state, position))
-                checkpoints.wait_until_finished()
-                logging.info(
-                    "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
-                    preemption.reason,
-                    done,
-                    num_steps,
-                    workdir,
-                )
-                last = {**last, "stopped_by": preemption.reason}
-                break
-        else:
-            checkpoints.wait_until_finished()
-            if distributed.is_primary():
-                wd.mark_complete(workdir, num_steps)
-    except FloatingPointError:
-        checkpoints.wait_until_finished()  # the last checkpoint is complete, and finite
-        raise
-    return last
+
+    cfg: Any
+    workdir: str
+    step: train_step.TrainStep
+    schedule: optax.Schedule
+    dataset: Any  # grain.MapDataset of batches (`batches.batched_dataset`)
+    checkpoints: Checkpoints
+    metrics: MetricsWriter
+    preemption: Preemption
+    lock: wd.RunLock | None
+    params: Any
+    opt_state: Any
+    position: int
+    # Set by `run`: its steps, the skip count, the metrics record and the throughput window.
+    start: int = dataclasses.field(init=False, default=0)
+    num_steps: int = dataclasses.field(init=False, default=0)
+    skips: SkippedSteps = dataclasses.field(init=False)
+    last: dict = dataclasses.field(init=False, default_factory=dict)
+    t0: float = dataclasses.field(init=False, default=0.0)
+    tokens: Any = dataclasses.field(init=False, default=0)  # then a device int32 scalar
+    window_start: float = dataclasses.field(init=False, default=0.0)
+
+    def run(self, start: int, num_steps: int) -> dict:
+        """Steps ``start`` .. ``num_steps``; returns the last logged metrics record (with
+        ``stopped_by`` after a preemption). A run that reaches ``num_steps`` is marked complete.
+        """
+        self.start, self.num_steps = start, num_steps
+        skipped_before = start - _applied_updates(self.opt_state)
+        self.skips = SkippedSteps(self.cfg.train.max_consecutive_skips, total=skipped_before)
+        self.last, self.t0, self.tokens, self.window_start = {}, time.time(), 0, time.time()
+        try:
+            for i in range(start, num_steps):
+                done = self._step(i)
+                saved = done % self.cfg.train.save_every == 0 or done == num_steps
+                if saved:
+                    self._save(done)
+                if done < num_steps and self._stop_for_preemption(done, saved):
+                    break
+            else:
+                self.checkpoints.wait_until_finished()
+                if distributed.is_primary():
+                    wd.mark_complete(self.workdir, num_steps)
+        except FloatingPointError:
+            self.checkpoints.wait_until_finished()  # the last checkpoint is complete, and finite
+            raise
+        return self.last
+
+    def _step(self, i: int) -> int:
+        """Runs step ``i`` (0-based) on the batch at ``position``, logging it when due (every
+        ``train.log_every`` and the last); returns the number of steps done."""
+        t = self.cfg.train
+        local = self.dataset[self.position]
+        row_ids = local.pop("row_ids")  # host-side only, not a step input
+        batch = distributed.global_batch(local, self.step.batch_sharding, t.batch_size)
+        self.position += 1
+        self.tokens = self.tokens + _batch_tokens(batch["labels"])
+        self.params, self.opt_state, values = self.step.fn(self.params, self.opt_state, batch)
+        done = i + 1
+        self.skips.add(done, values["skipped"], row_ids)
+        if done % t.log_every == 0 or done == self.num_steps:
+            self._log(done, values)
+        return done
+
+    def _log(self, done: int, values: dict) -> None:
+        """Writes the metrics record of step ``done`` (its step ``values`` with the skip count,
+        learning rate, throughput since the last record, progress and ETA) and keeps it."""
+        self.skips.check()
+        now = time.time()
+        values = jax.device_get(values)
+        # The rate of this step's update, or of the update it would have made if skipped.
+        updates = _applied_updates(self.opt_state)
+        self.last = {
+            "step": done,
+            **{k: float(v) for k, v in values.items()},
+            "skipped_steps": self.skips.total,
+            "learning_rate": float(self.schedule(updates - 1 + values["skipped"])),
+            "tokens_per_s": int(self.tokens) / (now - self.window_start),
+            "progress": done / self.num_steps,
+            "eta_s": (self.num_steps - done) / ((done - self.start) / (now - self.t0)),
+        }
+        self.tokens, self.window_start = 0, now
+        self.metrics.write(self.last)
+
+    def _save(self, done: int) -> None:
+        """Saves step ``done`` (asynchronously), after reading its skip flag (a FloatingPointError
+        saves nothing) and `_before_save`."""
+        self.skips.check()
+        _before_save(self.lock, self.metrics)
+        self.checkpoints.save(done, TrainState(self.params, self.opt_state, self.position))
+
+    def _stop_for_preemption(self, done: int, saved: bool) -> bool:
+        """Whether a stop request (`Preemption.stop`) ends the run after step ``done``; if so,
+        saves that step (unless ``saved`` already), waits for the write and logs it."""
+        if not self.preemption.stop(done):
+            return False
+        self.skips.check()
+        if not saved:
+            self._save(done)
+        self.checkpoints.wait_until_finished()
+        logging.info(
+            "stopped by %s: saved step %d of %d in %s; rerun the same command to resume",
+            self.preemption.reason,
+            done,
+            self.num_steps,
+            self.workdir,
+        )
+        self.last = {**self.last, "stopped_by": self.preemption.reason}
+        return True
 
 
 class SkippedSteps:

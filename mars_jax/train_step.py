@@ -19,8 +19,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mars_jax import sharding
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig, objective_config
-from mars_jax.objectives import IGNORE_INDEX, NOISY_WEIGHT, loss_denominator, loss_fn
+from mars_jax.objectives import NOISY_WEIGHT, loss_denominator, loss_fn
 
 
 def objective_settings(cfg, mask_id: int, examples) -> ObjectiveConfig:
@@ -128,7 +129,7 @@ def make_train_step(
         # loss), adds state of its own (checkpoints of earlier runs would not restore), returns
         # zero updates (p + 0 turns -0.0 into 0.0, so "unchanged" would not be bitwise), and
         # applies a non-finite update after max_consecutive_errors skips; here the run loop
-        # stops instead (`train._run_steps`). The select is elementwise, fusable into the update.
+        # stops instead (`train.Trainer`). The select is elementwise, fusable into the update.
         params, opt_state = optax.tree.where(
             finite, (new_params, new_opt_state), (params, opt_state)
         )

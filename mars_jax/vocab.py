@@ -21,8 +21,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from mars_jax import storage
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.errors import InputError
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import Tokenizer
 
 ROW_MULTIPLE = 128  # kept rows are padded with filler ids to a multiple of this

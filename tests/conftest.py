@@ -62,6 +62,19 @@ def tiny_config(stage="ar", *layers, **overrides):
     return cfg
 
 
+def complete(path, prompts, *, block_size=None, step=None, **kwargs):
+    """`generate.complete` with the model at ``path`` (`sources.open` at ``block_size`` and
+    ``step``); the keyword arguments that are not complete's are its `DecodeOptions` fields."""
+    from mars_jax import generate, sources
+
+    opened = sources.open(str(path), block_size=block_size, step=step)
+    keep = ("system", "stream", "parse_control_tokens")
+    options = opened.options(**{k: v for k, v in kwargs.items() if k not in keep})
+    return generate.complete(
+        opened, prompts, options, **{k: v for k, v in kwargs.items() if k in keep}
+    )
+
+
 def python_env(**variables):
     """This process's environment for a Python subprocess: jax on the CPU, libtpu not waiting
     for a metadata server, the repository first on PYTHONPATH; then ``variables`` (a value of

@@ -8,6 +8,7 @@ unconfident candidates; scale 1000: many probabilities that are exactly 1.0 in f
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from mars_jax import decode, engine
+from mars_jax.decode_options import DecodeOptions
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID
 
@@ -220,4 +222,13 @@ def swap_head_columns(model, a, b):
 QWEN_IDS = dict(eos_ids=EOS, mask_id=MASK_ID)
 qwen_generate = functools.partial(decode.generate, **QWEN_IDS)
 qwen_generate_batched = functools.partial(decode.generate_batched, pad_id=ENDOFTEXT_ID, **QWEN_IDS)
-qwen_engine = functools.partial(engine.Engine, pad_id=ENDOFTEXT_ID, **QWEN_IDS)
+_ENGINE_ARGS = set(inspect.signature(engine.Engine).parameters) - {"model", "options"}
+
+
+def qwen_engine(model, **kwargs) -> engine.Engine:
+    """An `engine.Engine` of ``model`` with Qwen2.5's ids; the keyword arguments that are not the
+    engine's are the fields of its `DecodeOptions`."""
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k not in _ENGINE_ARGS}
+    return engine.Engine(
+        model, DecodeOptions(**fields), **{"pad_id": ENDOFTEXT_ID, **QWEN_IDS, **kwargs}
+    )

@@ -3,8 +3,6 @@ path (dense XLA attention, no remat, layers unrolled): same outputs, same MARS l
 gradients. Splash attention (a Pallas TPU kernel) runs here in interpret mode; under a mesh of
 CPU devices it is tests/multidevice/test_attention_mesh.py."""
 
-from types import SimpleNamespace
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +10,10 @@ import pytest
 from flax import nnx
 
 from mars_jax import attention
+from mars_jax.common_types import IGNORE_INDEX
+from mars_jax.config import ObjectiveConfig
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
-from mars_jax.objectives import IGNORE_INDEX, mars_attention_mask, mars_loss
+from mars_jax.objectives import mars_attention_mask, mars_loss
 
 BLOCK = 4
 # 2L = 192 queries: not a multiple of the chunked path's 128; splash tiles by 128, 2L = 256.
@@ -92,7 +92,7 @@ def reference():
 def _mars_value_and_grad(params, **execution):
     cfg = ModelConfig(**{**CFG.__dict__, **execution})
     graphdef = nnx.graphdef(Qwen2(cfg, rngs=nnx.Rngs(0)))
-    obj = SimpleNamespace(
+    obj = ObjectiveConfig(
         name="mars",
         block_size=BLOCK,
         ar_weight=1.0,

@@ -181,13 +181,13 @@ def test_the_choices_are_those_of_the_modules_that_use_them():
     assert config.ATTENTION == tuple(model.ATTENTION) == tuple(attention.IMPLEMENTATIONS)
     # The decoding choices have one definition, mars_jax.decode_options (test_decode_options).
     assert config.OBJECTIVE_NAMES == tuple(objectives.OBJECTIVES)
-    assert objectives.NORMALIZATIONS is config.NORMALIZATIONS
+    # NORMALIZATIONS and NOISY_WEIGHTINGS are defined only in config (objectives reads them there).
 
 
 def test_objective_config_is_typed_and_frozen():
     from mars_jax import train_step
     from mars_jax.batches import Example
-    from mars_jax.objectives import IGNORE_INDEX
+    from mars_jax.common_types import IGNORE_INDEX
 
     cfg = config.defaults("mars")
     labels = [[IGNORE_INDEX] * 3 + [5] * 9, [IGNORE_INDEX] + [5] * 3]
@@ -222,11 +222,32 @@ def test_objective_config_is_typed_and_frozen():
         ({"block_size": 0}, r"^block_size must be >= 1, got 0"),
     ],
 )
-def test_generate_refuses_decoding_arguments_before_loading(kwargs, match, tmp_path):
-    from mars_jax import generate
-
+def test_decoding_arguments_are_refused_with_the_users_message(kwargs, match):
     with pytest.raises(errors.InputError, match=match):
-        generate.complete(str(tmp_path / "no_run"), ["hi"], **kwargs)
+        config.check_decoding(**kwargs)
+
+
+def test_decoding_flags_are_refused_before_the_model_is_opened(monkeypatch):
+    from absl import flags
+
+    from mars_jax import cli, sources
+
+    def opened(*args, **kwargs):
+        raise AssertionError("the model was opened")
+
+    monkeypatch.setattr(sources, "open", opened)
+    values = flags.FlagValues()
+    decoding = cli.DecodingFlags(
+        threshold=0.9, max_new_tokens=8, threshold_help="", budget_help="", flag_values=values
+    )
+    values(["generate", "--threshold=2.0"])
+    with pytest.raises(errors.InputError, match=r"^threshold must lie in \(0, 1\], got 2.0"):
+        decoding.open("no_run")
+    values.threshold = 0.9
+    with pytest.raises(errors.InputError, match=r"^threshold must lie in \(0, 1\], got 0.0"):
+        decoding.open("no_run", threshold=(0.5, 0.0))
+    with pytest.raises(AssertionError, match="opened"):
+        decoding.open("no_run")
 
 
 def _env(**extra):

@@ -13,7 +13,7 @@ import pytest
 
 from mars_jax.batches import Example, batched_dataset, build_examples, eval_examples
 from mars_jax.chat import SkipRow, rows_to_messages, tokenize_chat
-from mars_jax.objectives import IGNORE_INDEX
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.rows import read_rows
 from mars_jax.synthetic import arithmetic_problems
 from mars_jax.tokenizer import CONTROL_TOKENS, ENDOFTEXT_ID, IM_END_ID, load_tokenizer

@@ -20,7 +20,7 @@ import pytest
 
 from mars_jax import settings, train
 from mars_jax.batches import build_examples
-from mars_jax.objectives import IGNORE_INDEX
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.rows import read_rows
 from mars_jax.tokenizer import IM_END_ID, load_tokenizer
 

@@ -26,7 +26,7 @@ from flax import nnx
 from mars_jax import distributed, sharding
 from mars_jax import workdir as wd
 from mars_jax.batches import Example, batched_dataset
-from mars_jax.objectives import IGNORE_INDEX
+from mars_jax.common_types import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 400  # per launch; both runs took ~1 min each on a shared 2-core CPU

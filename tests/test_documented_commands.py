@@ -1281,6 +1281,7 @@ def test_the_decoding_api_example_runs(tiny_run):
     exec(code.replace('"runs/tiny/mars"', repr(path)), scope)
     opened, out = scope["opened"], scope["out"]
     tokens = [t for t in out.completions()[0] if t not in opened.stop_ids]
-    want = generate.complete(path, ["What is 12 * 7?"], threshold=0.9, max_new_tokens=64)[0]
+    settings = opened.options(threshold=0.9, max_new_tokens=64)
+    want = generate.complete(opened, ["What is 12 * 7?"], settings)[0]
     assert 1 <= len(out.completions()[0]) <= 64
     assert opened.tokenizer.decode(tokens) == want["text"]

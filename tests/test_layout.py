@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mars_jax"
 # (layer, modules), lowest first. The letters split one layer of the design where a module
 # needs another of that layer: each sub-layer is a layer of its own.
 LAYERS = (
-    ("0a", ("errors", "platforms")),
+    ("0a", ("errors", "platforms", "common_types")),
     ("0b", ("storage",)),
     (
         "0c",

@@ -53,7 +53,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(run_dir):
-    return MarsLM(workdir=run_dir, threshold=1.0, batch_size=2, max_gen_toks=12)
+    return MarsLM.from_args(workdir=run_dir, threshold=1.0, batch_size=2, max_gen_toks=12)
 
 
 def _oracle_loglikelihood(hf, hf_tok, context, continuation):
@@ -163,7 +163,7 @@ def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
 
 
 def test_generate_until_decodes_at_the_threshold_and_block_size_of_the_run(run_dir):
-    lm = MarsLM(workdir=run_dir, threshold=0.3, batch_size=2, max_gen_toks=12)
+    lm = MarsLM.from_args(workdir=run_dir, threshold=0.3, batch_size=2, max_gen_toks=12)
     contexts = ["Question: What is 12 * 7?\nAnswer:", "2+2="]
     out = qwen_generate_batched(
         lm.model,
@@ -211,7 +211,7 @@ def test_a_trimmed_run_decodes_in_its_ids_and_stops_at_its_eos(tmp_path):
     assert len(expected) <= 3 < len(plain)
     workdir = write_run(str(tmp_path), model)
     wd.write_vocab_map(workdir, vocab.VocabMap(kept))
-    lm = MarsLM(workdir=workdir, threshold=1.0, max_gen_toks=12)
+    lm = MarsLM.from_args(workdir=workdir, threshold=1.0, max_gen_toks=12)
     got = lm.generate_until([Instance("generate_until", {}, (context, {"until": []}), 0)])
     assert got == [tok.decode([kept[m] for m in expected])]
     # A context with a token outside the run's vocabulary: refused, naming the request.
@@ -238,7 +238,7 @@ def test_bad_decoding_arguments_are_refused_before_loading(kwargs, match, tmp_pa
     """Before the run is read (the workdir here does not exist), not at the first
     generate_until request after lm_eval's task setup and any loglikelihood tasks."""
     with pytest.raises(ValueError, match="^mars_jax: " + match):
-        MarsLM(workdir=str(tmp_path / "no_run"), **kwargs)
+        MarsLM.from_args(workdir=str(tmp_path / "no_run"), **kwargs)
 
 
 def test_generate_until_refuses_unknown_generation_kwargs(lm):
@@ -344,7 +344,9 @@ def test_the_wrapper_prints_a_mars_jax_error_as_one_line(monkeypatch, tmp_path):
     from mars_jax import lm_eval_adapter
 
     monkeypatch.setattr(
-        lm_eval.__main__, "cli_evaluate", lambda: MarsLM(workdir=str(tmp_path), threshold=2.0)
+        lm_eval.__main__,
+        "cli_evaluate",
+        lambda: MarsLM.from_args(workdir=str(tmp_path), threshold=2.0),
     )
     with pytest.raises(SystemExit) as exit_:
         lm_eval_adapter.main()
@@ -362,7 +364,9 @@ def test_max_length_left_truncates_contexts_as_transformers_backend(run_dir, ora
     """A scored context keeps the last max_length + 1 tokens with its continuation, a
     generation context its last max_length - max_gen_toks (lm_eval's HF backend)."""
     hf, hf_tok = oracle
-    lm = MarsLM(workdir=run_dir, threshold=1.0, batch_size=2, max_gen_toks=4, max_length=12)
+    lm = MarsLM.from_args(
+        workdir=run_dir, threshold=1.0, batch_size=2, max_gen_toks=4, max_length=12
+    )
     context = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
     ctx = hf_tok(context, add_special_tokens=False).input_ids
     cont = hf_tok(context + " 7 apples", add_special_tokens=False).input_ids[len(ctx) :]
@@ -390,7 +394,7 @@ def test_counts_and_seeds_are_per_request(run_dir):
     """A request with max_gen_toks 1 beside one of 12 counts what it can return (its budget),
     as it does alone; request i samples with seed + i whatever the other requests are."""
     ctx = ["Question: What is 12 * 7?\nAnswer:", "2+2="]
-    both = MarsLM(workdir=run_dir, threshold=1.0, batch_size=2, seed=5)
+    both = MarsLM.from_args(workdir=run_dir, threshold=1.0, batch_size=2, seed=5)
     reqs = [
         Instance("generate_until", {}, (ctx[0], {"until": [], "max_gen_toks": 1}), 0),
         Instance("generate_until", {}, (ctx[1], {"until": [], "max_gen_toks": 12}), 1),
@@ -398,13 +402,13 @@ def test_counts_and_seeds_are_per_request(run_dir):
     both.generate_until(reqs)
     counts = []
     for r in reqs:
-        alone = MarsLM(workdir=run_dir, threshold=1.0, batch_size=2, seed=5)
+        alone = MarsLM.from_args(workdir=run_dir, threshold=1.0, batch_size=2, seed=5)
         alone.generate_until([r])
         counts.append(alone.accepted)
     assert both.accepted == sum(counts) <= 1 + 12
 
     sampled = {"until": [], "max_gen_toks": 8, "do_sample": True, "temperature": 0.9}
-    mixed = MarsLM(workdir=run_dir, threshold=1.0, batch_size=2, seed=5)
+    mixed = MarsLM.from_args(workdir=run_dir, threshold=1.0, batch_size=2, seed=5)
     got = mixed.generate_until(
         [
             Instance("generate_until", {}, (ctx[0], {"until": [], "max_gen_toks": 8}), 0),

@@ -14,13 +14,13 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_jax import export, generate, train
+from mars_jax import export, train
 from mars_jax import workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.model import grown_vocab_size
 from mars_jax.tokenizer import load_tokenizer
 
-from conftest import tiny_config, write_smol_layout
+from conftest import complete, tiny_config, write_smol_layout
 
 PROMPT = "What is 2 + 3?"
 
@@ -89,7 +89,7 @@ def test_an_added_mask_row_trains_decodes_and_exports(smol_layout, tmp_path):
     )
     expected = greedy(hf, ids, 12)
     assert len(expected) >= 3
-    out = generate.complete(run, [PROMPT], threshold=1.0, max_new_tokens=12)
+    out = complete(run, [PROMPT], threshold=1.0, max_new_tokens=12)
     assert out[0]["tokens"] == expected
     # The export: transformers reads the new vocabulary size and the mask, and decodes the same.
     export.export_run(run, str(tmp_path / "hf"))

@@ -13,13 +13,13 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-from mars_jax import generate, huggingface, train
+from mars_jax import huggingface, train
 from mars_jax import workdir as wd
 from mars_jax.errors import InputError
 from mars_jax.model import ModelConfig, inverse_frequencies
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
-from conftest import FAMILY_CONFIGS, TINY, hf_logits
+from conftest import FAMILY_CONFIGS, TINY, complete, hf_logits
 from decode_oracles import qwen_generate
 from test_model import our_logits, right_padded_batch
 from train_runs import get_config
@@ -212,7 +212,7 @@ def test_qwen3_trains_ar_then_mars_and_decodes(tmp_path):
     mars = str(tmp_path / "mars")
     last = train.train(get_config("mars", init_from=ar, train__num_steps=2), mars)
     assert np.isfinite(last["loss"]) and last["noisy_loss"] > 0
-    out = generate.complete(mars, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=6)
+    out = complete(mars, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=6)
     assert 1 <= len(out[0]["tokens"]) <= 6
 
 
@@ -295,7 +295,7 @@ def test_llama3_trains_ar_then_mars_from_text_and_decodes(tmp_path):
     ar = str(tmp_path / "ar")
     cfg = get_config("ar", init_from=str(tmp_path / "llama"), train__learning_rate=0.0, **data)
     train.train(cfg, ar)
-    out = generate.complete(ar, ["What is 2 + 3?"], threshold=1.0, max_new_tokens=12)
+    out = complete(ar, ["What is 2 + 3?"], threshold=1.0, max_new_tokens=12)
     tok = load_tokenizer(str(tmp_path / "llama"))
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True
@@ -315,7 +315,7 @@ def test_llama3_trains_ar_then_mars_from_text_and_decodes(tmp_path):
     last = train.train(get_config("mars", init_from=ar, train__num_steps=2, **data), mars)
     assert np.isfinite(last["loss"]) and last["noisy_loss"] > 0
     assert wd.load_model(mars)[1].mask_id == 258
-    out = generate.complete(mars, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=8)
+    out = complete(mars, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=8)
     assert 0 <= len(out[0]["tokens"]) <= 8
 
     write_llama3_directory(tmp_path / "no_mask", mask_token=False)

@@ -5,7 +5,6 @@ train.max_consecutive_skips skips in a row; row ids travel with the data."""
 import json
 import math
 import os
-import types
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +13,16 @@ import optax
 import pytest
 from flax import nnx
 
-from mars_jax import generate, objectives, settings, train, train_step
+from mars_jax import objectives, settings, train, train_step
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples
+from mars_jax.common_types import IGNORE_INDEX
+from mars_jax.config import ObjectiveConfig
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.rows import load_rows
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
-from conftest import python_env, run_python, tiny_config
+from conftest import complete, python_env, run_python, tiny_config
 
 
 def leaf_bytes(tree):
@@ -79,7 +79,7 @@ def test_step_skips_a_nonfinite_update_and_keeps_the_state_bitwise(case, monkeyp
     labels[:, :3] = IGNORE_INDEX
     clean = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
     bad = {"input_ids": clean["input_ids"].at[3, 5].set(BAD), "labels": clean["labels"]}
-    obj = types.SimpleNamespace(
+    obj = ObjectiveConfig(
         name="ar",
         normalization="sequence",
         noisy_weighting="none",
@@ -273,13 +273,13 @@ X64_SCRIPT = """
 import json, sys
 sys.path.insert(0, "tests")
 import jax
-from conftest import tiny_config
-from mars_jax import generate, train
+from conftest import complete, tiny_config
+from mars_jax import train
 assert jax.config.jax_enable_x64  # JAX_ENABLE_X64=1, as some environments set it
 cfg = tiny_config("mars", model__num_layers=1, train__num_steps=2, train__batch_size=4)
 train.train(cfg, sys.argv[1])
 out = [
-    generate.complete(sys.argv[1], ["What is 2 + 3?"], threshold=0.5, max_new_tokens=4, **kw)
+    complete(sys.argv[1], ["What is 2 + 3?"], threshold=0.5, max_new_tokens=4, **kw)
     for kw in ({}, {"temperature": 0.8})
 ]
 print(json.dumps([o[0]["tokens"] for o in out]))
@@ -297,7 +297,7 @@ def test_jax_enable_x64_trains_and_decodes_the_same(tmp_path):
     cfg = tiny_config("mars", model__num_layers=1, train__num_steps=2, train__batch_size=4)
     train.train(cfg, plain)
     ours = [
-        generate.complete(plain, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=4, **kw)[0]
+        complete(plain, ["What is 2 + 3?"], threshold=0.5, max_new_tokens=4, **kw)[0]
         for kw in ({}, {"temperature": 0.8})
     ]
     assert theirs == [o["tokens"] for o in ours]

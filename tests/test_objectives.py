@@ -8,7 +8,6 @@ transformers' own loss for the AR objective).
 """
 
 import dataclasses
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +17,13 @@ import torch
 from flax import nnx
 
 from mars_jax import huggingface
+from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig
 from mars_jax.model import causal_mask
 from mars_jax.objectives import (
-    IGNORE_INDEX,
     NOISY_WEIGHT,
     ar_loss,
+    cross_entropy,
     loss_fn,
     mars_attention_mask,
     mars_inputs,
@@ -403,11 +403,11 @@ def test_objective_errors(models):
         obj_cfg(name="ar", noisy_weighting="inverse_t")
     with pytest.raises(dataclasses.FrozenInstanceError):
         obj_cfg().block_size = 8
-    # cross_entropy keeps its own guard for duck-typed settings.
-    with pytest.raises(ValueError, match="normalization"):
-        ar_loss(
-            model, batch, SimpleNamespace(**{**vars(obj_cfg(name="ar")), "normalization": "batch"})
-        )
+    # cross_entropy, which takes the normalization as a string, keeps its own guard.
+    positions, targets, valid = target_positions(batch["labels"], None)
+    hidden = jnp.zeros((*batch["labels"].shape, TINY["hidden_size"]))
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        cross_entropy(model, hidden, positions, targets, valid, "batch")
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 8])

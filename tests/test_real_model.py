@@ -20,26 +20,20 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from mars_jax import config, decode, evaluate, generate, serve, sources, vocab
+from mars_jax import config, decode, evaluate, serve, sources, vocab
 from mars_jax.batches import eval_examples, eval_source
 from mars_jax.grading import accuracy
 from mars_jax.model import abstract_model, add_vocab_rows, grown_vocab_size, mean_rows
 from mars_jax.tokenizer import load_tokenizer
+from tools import smollm2
+
+from conftest import complete
 
 pytestmark = pytest.mark.real_model
 
 GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 # Real chat prompts whose greedy answers run past 128 tokens: each compares 128 tokens.
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how photosynthesis works.",
-    "Describe the water cycle step by step.",
-    "Write an essay about the importance of reading.",
-    "Give me five tips for learning a new language, with a sentence on each.",
-    "Explain the difference between a virus and a bacterium.",
-    "Write a Python function that checks whether a string is a palindrome, and explain it.",
-    "What are the causes of the French Revolution?",
-]
+PROMPTS = list(smollm2.PARITY_PROMPTS)
 FRANCE = "What is the capital of France?"
 NEW = 128
 
@@ -108,9 +102,7 @@ def test_the_answer_to_the_capital_of_france(hf, opened):
 
 def test_generate_from_the_directory_equals_transformers(smollm2_dir, reference):
     """The user's path: ``generate --workdir=DIR --block_size=1``, all 8 prompts, 128 tokens."""
-    out = generate.complete(
-        str(smollm2_dir), PROMPTS, threshold=1.0, block_size=1, max_new_tokens=NEW
-    )
+    out = complete(str(smollm2_dir), PROMPTS, threshold=1.0, block_size=1, max_new_tokens=NEW)
     assert [o["tokens"] for o in out] == reference
 
 
@@ -172,14 +164,13 @@ def test_the_added_row_is_initialised_as_transformers_resizes(hf, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
+    opened = sources.open(str(smollm2_dir), block_size=1)
     s = serve.make_server(
-        str(smollm2_dir),
+        opened,
+        opened.options(max_new_tokens=64, threshold=1.0),
         slots=2,
         max_prompt_len=128,
-        max_new_tokens=64,
-        threshold=1.0,
         max_waiting=4,
-        block_size=1,
         model_name="smollm2",
     )
     running = serve.Background(serve.build_app(s))

@@ -54,16 +54,11 @@ def make(model, tok, **kw):
         max_prompt_len=WIDTH,
         max_new_tokens=MAX_NEW,
         block_size=B,
+        threshold=kw.pop("threshold", 0.9),
         steps_per_call=2,
     )
     eng.start()
-    server = serve.Server(
-        eng,
-        tok,
-        model_name="tiny",
-        threshold=kw.pop("threshold", 0.9),
-        max_waiting=kw.pop("max_waiting", 64),
-    )
+    server = serve.Server(eng, tok, model_name="tiny", max_waiting=kw.pop("max_waiting", 64))
     return server, serve.Background(serve.build_app(server))
 
 

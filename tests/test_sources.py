@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from mars_jax import engine, evaluate, generate, huggingface, serve, sources
+from mars_jax import engine, evaluate, huggingface, serve, sources
 from mars_jax.errors import InputError
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, MASK_ID, load_tokenizer
 
-from conftest import tiny_config, write_released
+from conftest import complete, tiny_config, write_released
 from decode_oracles import qwen_generate
 
 PROMPT = "What is 2 + 3?"
@@ -52,7 +52,7 @@ def transformers_greedy(model, ids, max_new_tokens):
 def test_released_format_decodes_as_transformers(released, caplog):
     hf, path = released
     with caplog.at_level(logging.WARNING):
-        out = generate.complete(path, [PROMPT], threshold=1.0, block_size=4, max_new_tokens=MAX_NEW)
+        out = complete(path, [PROMPT], threshold=1.0, block_size=4, max_new_tokens=MAX_NEW)
     assert out[0]["tokens"] == transformers_greedy(hf, prompt_ids(), MAX_NEW)
     assert out[0]["tokens_per_forward"] == 1.0
     assert "auto_map" in caplog.text  # named, not run
@@ -63,7 +63,7 @@ def test_mars_decoding_reads_the_mask_from_the_tokenizer_files(released):
     model, tok, step = sources.load_model(path)
     assert (step, tok.mask_id, tok.mask_declared) == (0, MASK_ID, True)
     assert model.cfg.max_position_embeddings == 4096 and not model.cfg.tie_word_embeddings
-    got = generate.complete(path, [PROMPT], threshold=0.3, block_size=4, max_new_tokens=MAX_NEW)
+    got = complete(path, [PROMPT], threshold=0.3, block_size=4, max_new_tokens=MAX_NEW)
     ids = np.asarray([prompt_ids()], np.int32)
     want = qwen_generate(
         huggingface.load_hf(path),
@@ -81,7 +81,7 @@ def test_mars_decoding_reads_the_mask_from_the_tokenizer_files(released):
 def test_block_size_comes_from_config_or_is_asked_for(released, tmp_path):
     _, path = released
     with pytest.raises(InputError, match="records no mars_block_size"):
-        generate.complete(path, [PROMPT], max_new_tokens=2)
+        complete(path, [PROMPT], max_new_tokens=2)
     recorded = tmp_path / "b8"
     write_released(recorded, block_size=8)
     assert sources.block_size_of(str(recorded)) == 8
@@ -132,10 +132,8 @@ def test_without_a_mask_token_only_one_token_per_forward(released, tmp_path):
     _, tok, _ = sources.load_model(str(plain))
     assert tok.mask_id is None
     with pytest.raises(InputError, match=r"declare no <\|mask\|> token"):
-        generate.complete(str(plain), [PROMPT], block_size=4, max_new_tokens=2)
-    out = generate.complete(
-        str(plain), [PROMPT], threshold=1.0, block_size=1, max_new_tokens=MAX_NEW
-    )
+        complete(str(plain), [PROMPT], block_size=4, max_new_tokens=2)
+    out = complete(str(plain), [PROMPT], threshold=1.0, block_size=1, max_new_tokens=MAX_NEW)
     assert out[0]["tokens"] == transformers_greedy(hf, prompt_ids(), MAX_NEW)
     with pytest.raises(InputError, match="step: 3"):
         sources.load_model(str(plain), step=3)
@@ -157,8 +155,9 @@ def test_evaluate_serve_and_lm_eval_take_the_directory(released):
     assert (report["step"], report["block_size"], report["num_examples"]) == (0, 4, 2)
     assert json.loads(open(f"{path}/eval.json").read())["results"] == report["results"]
 
-    kw = dict(slots=2, max_prompt_len=64, max_new_tokens=MAX_NEW, threshold=1.0, max_waiting=4)
-    server = serve.make_server(path, block_size=4, **kw)
+    opened = sources.open(path, block_size=4)
+    options = opened.options(max_new_tokens=MAX_NEW, threshold=1.0)
+    server = serve.make_server(opened, options, slots=2, max_prompt_len=64, max_waiting=4)
     try:
         stream = server.engine.submit(
             engine.Request(tuple(prompt_ids()), max_tokens=MAX_NEW, threshold=1.0)
@@ -171,5 +170,5 @@ def test_evaluate_serve_and_lm_eval_take_the_directory(released):
 
     from mars_jax.lm_eval_adapter import MarsLM
 
-    lm = MarsLM(path, block_size=4, threshold=0.5)
+    lm = MarsLM.from_args(path, block_size=4, threshold=0.5)
     assert (lm.step, lm.decode_kwargs["block_size"], lm.decode_kwargs["mask_id"]) == (0, 4, MASK_ID)

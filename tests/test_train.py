@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +20,17 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from mars_jax import evaluate, export, generate, objectives, train, train_step
+from mars_jax import evaluate, export, objectives, train, train_step
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, eval_examples
 from mars_jax.checkpoints import Checkpoints
+from mars_jax.common_types import IGNORE_INDEX
+from mars_jax.config import ObjectiveConfig
 from mars_jax.errors import InputError
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
-from mars_jax.objectives import IGNORE_INDEX
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
 
-from conftest import python_env, run_python
+from conftest import complete, python_env, run_python
 from decode_oracles import qwen_generate
 from train_runs import LR, ROOT, cli_flags, flat_params, get_config
 
@@ -284,7 +284,8 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
     batch = batched_dataset(
         examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
     )[0]
-    obj = types.SimpleNamespace(
+    obj = ObjectiveConfig(
+        name="ar",
         max_label_tokens=train_step.objective_settings(cfg, tok.mask_id, examples).max_label_tokens,
         normalization=cfg.objective.normalization,
         ce_chunk_size=0,
@@ -506,7 +507,7 @@ def test_entry_modules_import_together():
 def test_generate_in_process_and_cli(stage1, tmp_path):
     workdir, _, _ = stage1
     questions = ["What is 12 * 7?", "Tom has 3 apples and buys 4 more. How many now?"]
-    results = generate.complete(workdir, questions, threshold=0.9, max_new_tokens=8)
+    results = complete(workdir, questions, threshold=0.9, max_new_tokens=8)
     model, tok, _ = wd.load_model(workdir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], True) for q in questions]
     ids = np.full((2, max(map(len, prompts))), tok.pad_id, np.int32)
@@ -544,7 +545,7 @@ def test_generate_in_process_and_cli(stage1, tmp_path):
 
     # Streaming in process: the chunks of each row add up to its text, in decoder order.
     chunks = []
-    streamed = generate.complete(
+    streamed = complete(
         workdir,
         questions,
         threshold=[0.9, 1.0],
@@ -663,7 +664,7 @@ def test_grad_accumulation_equals_whole_batch():
     batch = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
     graphdef, params = nnx.split(Qwen2(model_cfg, rngs=nnx.Rngs(0)))
     for norm in ("token", "sequence"):
-        obj = types.SimpleNamespace(
+        obj = ObjectiveConfig(
             name="ar",
             normalization=norm,
             max_label_tokens=None,

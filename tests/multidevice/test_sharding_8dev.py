@@ -14,8 +14,10 @@ from flax import nnx
 from mars_jax import model as model_lib
 from mars_jax import sharding
 from mars_jax.checkpoints import Checkpoints, TrainState
+from mars_jax.common_types import IGNORE_INDEX
+from mars_jax.config import ObjectiveConfig
 from mars_jax.model import ModelConfig, Qwen2
-from mars_jax.objectives import IGNORE_INDEX, loss_fn
+from mars_jax.objectives import loss_fn
 from mars_jax.train_step import build_train_step, optimizer
 
 # The placement of every parameter under sharding.DEFAULT_RULES, written out by hand from the
@@ -104,7 +106,7 @@ def compute():
     col = np.arange(length)[None]
     labelled = (col >= prompt[:, None]) & (col < (prompt + answer)[:, None])
     batch = {"input_ids": ids, "labels": np.where(labelled, ids, IGNORE_INDEX).astype(np.int32)}
-    obj = NS(
+    obj = ObjectiveConfig(
         name="mars",
         block_size=4,
         ar_weight=0.5,
