@@ -11,7 +11,7 @@
 # /tmp/site. Each part has its own time limit, so the whole run ends within 8 minutes whatever
 # the device, and every part writes what it measured as it goes: a part cut short keeps its
 # finished groups. --smoke runs the same parts on tiny shapes on the CPU in seconds (CI runs
-# it: tests/test_benchmark_commands.py).
+# it: tests/project/test_benchmark_commands.py).
 #
 # Parts (the command of each is printed into summary.md beside its table):
 #   decode_step_qwen0_5b, decode_step_qwen7b  benchmarks/decode_speed.py --accept: bf16 random

@@ -6,7 +6,7 @@ r"""Greedy parity on a real model: our decoder against transformers' greedy ``ge
 Decodes chat prompts one token per forward (block size 1, threshold 1.0) in fp32 and in bf16
 compute (parameters in fp32), each up to its end of turn or the budget, and compares each with transformers' fp32 greedy tokens
 of the same prompt decoded alone: the prompts equal token for token, and the mean fraction of
-each completion before its first difference. fp32 should agree exactly (tests/test_real_model.py
+each completion before its first difference. fp32 should agree exactly (tests/project/test_real_model.py
 asserts it); bf16 rounds every matmul, so where two tokens are nearly tied its greedy choice
 flips, and everything after differs.
 """

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from conftest import ROOT, tiny_config  # noqa: F401 (ROOT: for test_train, test_checkpoints)
+from tests.helpers import ROOT, tiny_config  # noqa: F401 (ROOT: for test_train, test_checkpoints)
 
 LR = 3e-3
 # Tiny overrides, applied in-process and as --config.<key>=<value> on the command lines.

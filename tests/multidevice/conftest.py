@@ -2,7 +2,7 @@
 
 XLA fixes the number of CPU devices when jax's backend starts, so it is set here, before any
 test module of this directory imports jax. The main test process has started its backend with 1
-device: tests/test_multidevice.py runs ``python -m pytest tests/multidevice`` in a subprocess, and
+device: tests/project/test_multidevice.py runs ``python -m pytest tests/multidevice`` in a subprocess, and
 tests/conftest.py keeps this directory out of the main collection. Run it alone the same way:
 
     python -m pytest -q tests/multidevice

@@ -10,8 +10,7 @@ from flax import nnx
 
 from mars_jax import decode, sharding
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID
-
-from decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate
+from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate
 
 
 @pytest.fixture(scope="module")

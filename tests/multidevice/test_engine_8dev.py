@@ -9,8 +9,7 @@ import pytest
 from flax import nnx
 
 from mars_jax import engine, sharding
-
-from decode_oracles import MAX_NEW, make_batch, make_model, qwen_engine, qwen_generate
+from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_engine, qwen_generate
 
 B = 4
 

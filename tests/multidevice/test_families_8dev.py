@@ -11,9 +11,8 @@ from flax import nnx
 
 from mars_jax import huggingface, sharding
 from mars_jax import model as model_lib
-
-from conftest import TINY, save_hf
-from decode_oracles import qwen_generate
+from tests.decode_oracles import qwen_generate
+from tests.helpers import TINY, save_hf
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

@@ -3,7 +3,7 @@ simulated CPU devices (tests/multidevice/conftest.py sets the device count): the
 `load_hf_state`'s, every device's shard holds its slice, and the reads that reach safetensors
 are recorded to show that each part is requested once, by its slice, never as a whole tensor.
 Plus the strict errors through the sharded path (raised before any tensor data is read). The
-checkpoints are tests/conftest.py's; tests/test_hf_sharded.py checks the bf16 one itself."""
+checkpoints are tests/conftest.py's; tests/model/test_huggingface.py checks the bf16 one itself."""
 
 import json
 
@@ -14,8 +14,7 @@ from safetensors import safe_open
 
 from mars_jax import huggingface, sharding
 from mars_jax import model as model_lib
-
-from test_model import copy_ckpt, edit_config, edit_tensors
+from tests.model.test_model import copy_ckpt, edit_config, edit_tensors
 
 
 class Recorder:

@@ -1,0 +1,276 @@
+"""Continuous batching (`mars_jax.engine`): every request's completion equals `decode.generate` of
+its prompt alone with its settings, whatever else is in flight and whenever it was admitted
+(staggered arrivals, more requests than slots, mixed thresholds, budgets, temperatures and
+seeds), and a cancelled request frees its slot for the next one."""
+
+import ast
+import dataclasses
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mars_jax import engine
+from mars_jax.errors import InputError
+from mars_jax.model import Qwen2
+from mars_jax.tokenizer import DEFAULT_EOS_IDS
+from tests.decode_oracles import CFG, make_batch, make_model, qwen_engine, qwen_generate
+
+B, SLOTS, WIDTH, MAX_NEW = 4, 3, 12, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(300.0)
+
+
+@pytest.fixture(scope="module")
+def eng(model):
+    return qwen_engine(
+        model,
+        slots=SLOTS,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=3,
+    )
+
+
+def alone(model, request: engine.Request) -> list[int]:
+    """The oracle: `decode.generate` of the request's prompt alone."""
+    out = qwen_generate(
+        model,
+        np.asarray([request.prompt_ids], np.int32),
+        np.asarray([len(request.prompt_ids)], np.int32),
+        block_size=B,
+        threshold=request.threshold,
+        max_new_tokens=request.max_tokens,
+        temperature=request.temperature,
+        seed=request.seed,
+    )
+    return out.tokens[0, : out.lengths[0]].tolist()
+
+
+def requests(n, seed=0):
+    lengths = np.random.default_rng(seed).integers(1, WIDTH + 1, size=n)
+    _, _, prompts = make_batch(lengths.tolist(), seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    return [
+        engine.Request(
+            tuple(p),
+            max_tokens=int(rng.integers(1, MAX_NEW + 1)),
+            threshold=float(rng.choice([1.0, 0.9, 0.5])),
+            temperature=float(rng.choice([0.0, 0.0, 0.7])),
+            seed=int(rng.integers(0, 2**32)),
+        )
+        for p in prompts
+    ]
+
+
+def test_staggered_requests_decode_as_alone(model, eng):
+    """9 requests through 3 slots, submitted in three waves between engine turns."""
+    reqs = requests(9)
+    streams = []
+    for wave in range(3):
+        streams += [eng.submit(r) for r in reqs[3 * wave : 3 * wave + 3]]
+        for _ in range(wave + 1):  # the earlier requests are mid-decode when the next arrive
+            eng.run_once()
+    while eng.run_once():
+        pass
+    for request, stream in zip(reqs, streams):
+        tokens, last = stream.result(timeout=1)
+        assert tokens == alone(model, request), request
+        assert last.done and last.completion_tokens == len(tokens)
+        expected = "length" if len(tokens) == request.max_tokens else "stop"
+        assert last.finish_reason == expected
+        assert not set(tokens) & set(DEFAULT_EOS_IDS)
+    assert eng.active == 0 and eng.waiting == 0
+
+
+def test_streamed_updates_add_up_and_threads_work(model, eng):
+    reqs = requests(4, seed=7)
+    eng.start()
+    try:
+        streams = [eng.submit(r) for r in reqs]
+        for request, stream in zip(reqs, streams):
+            pieces = [u.tokens for u in stream.updates(timeout=120)]
+            assert sum(pieces, []) == alone(model, request)
+    finally:
+        eng.stop()
+
+
+def test_cancel_frees_the_slot(model):
+    eng = qwen_engine(
+        model, slots=1, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, steps_per_call=1
+    )
+    first, second = requests(2, seed=3)
+    first = engine.Request(first.prompt_ids, MAX_NEW, threshold=1.0)
+    s1, s2 = eng.submit(first), eng.submit(second)
+    eng.run_once()
+    s1.cancel()
+    while eng.run_once():
+        pass
+    _, last = s1.result(timeout=1)
+    assert last.finish_reason in ("cancelled", "stop")
+    tokens, _ = s2.result(timeout=1)
+    assert tokens == alone(model, second)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(prompt_ids=()), "prompt"),
+        (dict(prompt_ids=(1,) * (WIDTH + 1)), "prompt"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=MAX_NEW + 1), "max_tokens"),
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=1.5), "threshold"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(seed=2**32), "seed"),
+    ],
+)
+def test_bad_requests_are_refused_by_field(eng, change, field):
+    request = engine.Request(**{**dict(prompt_ids=(1, 2), max_tokens=4), **change})
+    with pytest.raises(InputError, match=f"^{field}: "):
+        eng.submit(request)
+
+
+def test_static_batching_waits_for_an_empty_batch(model):
+    """refill=False (the load benchmark's static baseline): a waiting request is admitted only
+    once every slot is free; the completions are the same."""
+    eng = qwen_engine(
+        model,
+        slots=SLOTS,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=1,
+        refill=False,
+    )
+    reqs = requests(5, seed=11)
+    streams = [eng.submit(r) for r in reqs]
+    active = []
+    while eng.run_once():
+        active.append((eng.active, eng.waiting))
+    for (a0, w0), (a1, _) in zip(active, active[1:]):
+        assert not (w0 and a0 and a1 > a0), active  # no admission into a partly busy batch
+    for request, stream in zip(reqs, streams):
+        assert stream.result(timeout=1)[0] == alone(model, request)
+
+
+def test_chunked_prefill_writes_the_one_forward_cache(model):
+    """`Decoder.begin` + `prefill_chunk` over chunks of 5 leave the same keys/values in every
+    prompt slot as `Decoder.prefill`'s one forward (the oracle), and the same cursors."""
+    eng = qwen_engine(
+        model, slots=1, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, prefill_chunk=5
+    )
+    request = engine.Request(tuple(range(3, 3 + WIDTH)), 4)  # every prompt slot used
+    chunked = eng._begin([request])
+    for start in range(0, WIDTH, 5):
+        chunk = np.full((1, 5), 0, np.int32)
+        piece = request.prompt_ids[start : start + 5]
+        chunk[0, : len(piece)] = piece
+        chunked = eng.decoder.prefill_chunk(eng.params, chunked, chunk, np.asarray([start]))
+    ids = np.zeros((1, eng._width), np.int32)
+    ids[0, :WIDTH] = request.prompt_ids
+    settings = (np.ones(1), np.int32(B), np.zeros(1), jax.random.key(0)[None])
+    one = eng.decoder.prefill(eng.params, ids, np.asarray([WIDTH]), *settings)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(
+            np.asarray(chunked.cache[name])[:, :, :WIDTH],
+            np.asarray(one.cache[name])[:, :, :WIDTH],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    assert int(chunked.cache_cursor[0]) == int(one.cache_cursor[0]) == WIDTH - 1
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(model):
+    """Chunks of 4: a 12-token prompt arriving while another request decodes takes three turns
+    to prefill, and the decoding request receives tokens in each of them; both completions
+    equal their prompts decoded alone, as do the prompts of every length in chunks of 5."""
+    eng = qwen_engine(
+        model,
+        slots=2,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=1,
+        prefill_chunk=4,
+    )
+    first = engine.Request(requests(1, seed=9)[0].prompt_ids, MAX_NEW, threshold=1.0)
+    long = engine.Request(tuple(range(5, 5 + WIDTH)), 8, threshold=0.9)
+    got = {"first": [], "long": []}
+    eng.submit(first, on_update=lambda u: got["first"].append(u))
+    eng.run_once()
+    eng.submit(long, on_update=lambda u: got["long"].append(u))
+    seen = []
+    for _ in range(3):
+        before = len(got["first"])
+        eng.run_once()
+        seen.append((eng.prefilling, eng.active, len(got["first"]) > before))
+    # The long prompt is in prefill for two turns, and is decoding after the third chunk.
+    assert seen == [(1, 1, True), (1, 1, True), (0, 2, True)], seen
+    while eng.run_once():
+        pass
+    assert sum((u.tokens for u in got["first"]), []) == alone(model, first)
+    assert sum((u.tokens for u in got["long"]), []) == alone(model, long)
+
+    eng5 = qwen_engine(
+        model, slots=3, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, prefill_chunk=5
+    )
+    reqs = requests(6, seed=13)
+    streams = [eng5.submit(r) for r in reqs[:3]]
+    eng5.run_once()
+    streams += [eng5.submit(r) for r in reqs[3:]]
+    while eng5.run_once():
+        pass
+    for request, stream in zip(reqs, streams):
+        assert stream.result(timeout=1)[0] == alone(model, request), request
+
+
+def test_a_trimmed_vocabulary_pads_with_its_own_id():
+    """A model of 128 embedding rows (a trimmed run's): the engine pads prompts and empty rows
+    with the tokenizer's pad id, never Qwen's 151643 (no row: the gather gave NaN keys, and
+    every completion turned to garbage), and refuses ids outside the embedding by field."""
+    small = Qwen2(dataclasses.replace(CFG, vocab_size=128), rngs=nnx.Rngs(3))
+    small.norm.weight[...] = small.norm.weight[...] * 300.0
+    kw = dict(slots=2, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, eos_ids=(1,))
+    eng = qwen_engine(small, pad_id=0, mask_id=127, prefill_chunk=5, **kw)
+    rng = np.random.default_rng(4)
+    reqs = [
+        engine.Request(tuple(rng.integers(2, 127, size=n).tolist()), MAX_NEW, threshold=t)
+        for n, t in [(7, 0.9), (12, 1.0), (3, 0.5)]
+    ]
+    streams = [eng.submit(r) for r in reqs]
+    while eng.run_once():
+        pass
+    for request, stream in zip(reqs, streams):
+        out = qwen_generate(
+            small,
+            np.asarray([request.prompt_ids], np.int32),
+            np.asarray([len(request.prompt_ids)], np.int32),
+            block_size=B,
+            threshold=request.threshold,
+            max_new_tokens=MAX_NEW,
+            eos_ids=(1,),
+            mask_id=127,
+        )
+        assert stream.result(timeout=1)[0] == [t for t in out.completions()[0] if t != 1]
+    with pytest.raises(InputError, match="^prompt: token id 151643 is not a row"):
+        eng.submit(engine.Request((5, 151643), 4))
+    with pytest.raises(InputError, match="^pad_id: 151643"):
+        qwen_engine(small, pad_id=151643, mask_id=127, **kw)
+
+
+def test_the_engine_leaves_jax_to_the_decoder():
+    """engine.py keeps slot ids, queues and numpy host arrays; every device update is a
+    `Decoder` method (insert, steps, read_new_tokens, free): it imports neither jax nor
+    jax.numpy."""
+    tree = ast.parse(pathlib.Path(engine.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "jax.numpy" not in imported
+    assert not [m for m in imported if m == "jax" or m.startswith("jax.")], imported
