@@ -222,6 +222,19 @@ def swap_head_columns(model, a, b):
 QWEN_IDS = dict(eos_ids=EOS, mask_id=MASK_ID)
 qwen_generate = functools.partial(decode.generate, **QWEN_IDS)
 qwen_generate_batched = functools.partial(decode.generate_batched, pad_id=ENDOFTEXT_ID, **QWEN_IDS)
+
+
+def qwen_settings(
+    *, sampling=False, mesh=None, axis_rules=None, **fields
+) -> decode.DecoderSettings:
+    """The `decode.DecoderSettings` of the `DecodeOptions` of ``fields`` (block size 4 and
+    MAX_NEW unless given) with Qwen2.5's ids, as `decode.generate` builds them."""
+    options = DecodeOptions(**{"block_size": 4, "max_new_tokens": MAX_NEW, **fields})
+    return decode.DecoderSettings.of(
+        options, **QWEN_IDS, sampling=sampling, mesh=mesh, axis_rules=axis_rules
+    )
+
+
 _ENGINE_ARGS = set(inspect.signature(engine.Engine).parameters) - {"model", "options"}
 
 

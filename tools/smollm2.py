@@ -139,10 +139,6 @@ def build(output: str | os.PathLike | None = None) -> Path:
     return cached
 
 
-_OUTPUT = flags.DEFINE_string("output", None, "write the directory here (default: the cache)")
-_LINK = flags.DEFINE_string("link", None, "also make this path a symbolic link to the directory")
-
-
 def link(target: Path, path: str | os.PathLike) -> Path:
     """Makes ``path`` a symbolic link to ``target`` (replacing a link, never anything else)."""
     path = Path(path)
@@ -155,13 +151,21 @@ def link(target: Path, path: str | os.PathLike) -> Path:
     return path
 
 
-def main(argv):
-    del argv
-    out = build(_OUTPUT.value)
-    if _LINK.value:
-        link(out, _LINK.value)
-    print(out)
+def main() -> None:
+    """The command line of the module docstring (its flags defined here, not at import: the
+    benchmarks and tests import this module beside flags of their own)."""
+    output = flags.DEFINE_string("output", None, "write the directory here (default: the cache)")
+    path = flags.DEFINE_string("link", None, "also make this path a symbolic link to the directory")
+
+    def run(argv):
+        del argv
+        out = build(output.value)
+        if path.value:
+            link(out, path.value)
+        print(out)
+
+    app.run(run)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

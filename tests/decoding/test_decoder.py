@@ -10,30 +10,12 @@ import pytest
 from flax import nnx
 
 from mars_jax import decode
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID
-from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate
+from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate, qwen_settings
 
 
 @pytest.fixture(scope="module")
 def mid():
     return make_model(300.0)
-
-
-def settings(**kw) -> decode.DecoderSettings:
-    base = dict(
-        block_size=4,
-        max_new_tokens=MAX_NEW,
-        eos_ids=DEFAULT_EOS_IDS,
-        mask_id=MASK_ID,
-        sampling=False,
-        cache_mode="sliding",
-        rule="prob",
-        adaptive_window=True,
-        mesh=None,
-        axis_rules=None,
-        on_accept=None,
-    )
-    return decode.DecoderSettings(**{**base, **kw})
 
 
 def host_loop(model, ids, lengths, st, *, threshold, temperature=0.0, seeds=None, chunk=0):
@@ -71,7 +53,7 @@ CASES = {
 def test_host_driven_steps_equal_generate(mid, case):
     ids, lengths, _ = make_batch([5, 2, 11, 7], seed=2)
     kw = CASES[case]
-    st = settings(**kw)
+    st = qwen_settings(**kw)
     threshold = 0.5 if kw.get("rule") == "verify" else 0.9
     out = qwen_generate(
         mid,
@@ -110,16 +92,31 @@ def test_sampled_steps_equal_generate(mid):
         seed=seeds,
     )
     result, _ = host_loop(
-        mid, ids, lengths, settings(sampling=True), threshold=0.8, temperature=0.7, seeds=seeds
+        mid, ids, lengths, qwen_settings(sampling=True), threshold=0.8, temperature=0.7, seeds=seeds
     )
     np.testing.assert_array_equal(np.asarray(result.tokens), out.tokens)
+
+
+def decoded_alone(model, ids, lengths, r, thresholds, temps, seeds, **fields):
+    """Row ``r`` of a batch decoded alone by `decode.generate` with its own settings."""
+    return qwen_generate(
+        model,
+        ids[r : r + 1],
+        lengths[r : r + 1],
+        block_size=4,
+        threshold=thresholds[r],
+        max_new_tokens=MAX_NEW,
+        temperature=temps[r],
+        seed=seeds[r],
+        **fields,
+    )
 
 
 def test_per_row_settings_travel_in_the_state(mid):
     """Rows of one batch with their own threshold and temperature each decode as alone."""
     ids, lengths, _ = make_batch([5, 8, 4], seed=6)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, settings(sampling=True))
+    dec = decode.Decoder(graphdef, qwen_settings(sampling=True))
     thresholds, temps, seeds = [1.0, 0.6, 0.9], [0.0, 0.8, 0.5], [1, 2, 3]
     state = dec.prefill(
         params,
@@ -134,16 +131,8 @@ def test_per_row_settings_travel_in_the_state(mid):
         state = dec.step(params, state)
     batch = dec.result(state)
     for r in range(3):
-        alone = qwen_generate(
-            mid,
-            ids[r : r + 1],
-            lengths[r : r + 1],
-            block_size=4,
-            threshold=thresholds[r],
-            max_new_tokens=MAX_NEW,
-            temperature=temps[r],
-            seed=seeds[r],
-            max_accept_per_step=[4, 2, 4][r],
+        alone = decoded_alone(
+            mid, ids, lengths, r, thresholds, temps, seeds, max_accept_per_step=[4, 2, 4][r]
         )
         np.testing.assert_array_equal(np.asarray(batch.tokens)[r], alone.tokens[0])
         assert int(batch.accepted[r]) == int(alone.accepted[0])
@@ -156,7 +145,7 @@ def test_per_row_settings_travel_in_the_state(mid):
 def test_each_piece_lowers_and_compiles_alone(mid, cache_mode):
     ids, lengths, _ = make_batch([5, 3], seed=1)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, settings(cache_mode=cache_mode))
+    dec = decode.Decoder(graphdef, qwen_settings(cache_mode=cache_mode))
     args = (
         params,
         jnp.asarray(ids),
@@ -189,7 +178,7 @@ def test_branch_is_the_forward_that_step_takes(mid):
     """After the prefill every row has one uncached token: the adaptive step runs ``narrow``."""
     ids, lengths, _ = make_batch([5, 3], seed=1)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, settings())
+    dec = decode.Decoder(graphdef, qwen_settings())
     assert dec.branches == ("narrow", "wide")
     state = dec.prefill(
         params,
@@ -259,7 +248,7 @@ def test_engine_api_insert_free_and_new_tokens(mid):
     as its prompt alone, and the other rows as before."""
     ids, lengths, _ = make_batch([5, 8, 4, 7], width=10, seed=8)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, settings(sampling=True))
+    dec = decode.Decoder(graphdef, qwen_settings(sampling=True))
     thresholds, temps, seeds = [0.9, 0.6, 1.0, 0.7], [0.0, 0.8, 0.0, 0.5], [5, 2**32 - 1, 9, 4]
 
     def prefill(rows):
@@ -313,14 +302,5 @@ def test_engine_api_insert_free_and_new_tokens(mid):
     check_read(batch, [0, 0, 0], 3)  # every completion, in several reads of 3
     result = dec.result(batch)
     for slot, r in enumerate([0, 3, 2]):
-        alone = qwen_generate(
-            mid,
-            ids[r : r + 1],
-            lengths[r : r + 1],
-            block_size=4,
-            threshold=thresholds[r],
-            max_new_tokens=MAX_NEW,
-            temperature=temps[r],
-            seed=seeds[r],
-        )
+        alone = decoded_alone(mid, ids, lengths, r, thresholds, temps, seeds)
         np.testing.assert_array_equal(np.asarray(result.tokens)[slot], alone.tokens[0])

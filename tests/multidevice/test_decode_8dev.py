@@ -9,8 +9,7 @@ import pytest
 from flax import nnx
 
 from mars_jax import decode, sharding
-from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID
-from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate
+from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate, qwen_settings
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +42,7 @@ def result():
 
     # The compiled sharded program carries the cache [L, R, S, K, H] per device as
     # [L, R/4, S, K/2, H]: rows over (data, fsdp), KV heads over tensor.
-    settings = decode.DecoderSettings(
-        block_size=4,
-        max_new_tokens=MAX_NEW,
-        eos_ids=DEFAULT_EOS_IDS,
-        mask_id=MASK_ID,
-        sampling=False,
-        cache_mode="sliding",
-        rule="prob",
-        adaptive_window=True,
-        mesh=mesh,
-        axis_rules=rules,
-        on_accept=None,
-    )
+    settings = qwen_settings(mesh=mesh, axis_rules=rules)
     gd, params = nnx.split(placed)
     compiled = (
         decode._generate.lower(

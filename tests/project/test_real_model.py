@@ -204,7 +204,7 @@ def test_evaluate_scores_as_transformers_completions_grade(smollm2_dir, hf, tmp_
     run.mkdir()
     for f in os.listdir(smollm2_dir):  # evaluate writes its report into the directory
         os.symlink(Path(smollm2_dir) / f, run / f)
-    num, new = 4, 128
+    num, new = 4, 64
     cfg = config.defaults("ar")
     cfg.data.source = "gsm8k"
     cfg.data.eval_path = str(GSM8K_TEST)
