@@ -184,6 +184,7 @@ class Engine:
         )
         self.slots, self.max_prompt_len = slots, max_prompt_len
         self.vocab_size, self.pad_id = model.cfg.vocab_size, int(pad_id)
+        self.context = model.cfg.max_position_embeddings  # prompt + completion at most
         if not 0 <= self.pad_id < self.vocab_size:
             raise InputError(f"pad_id: {pad_id}; not a row of the {self.vocab_size}-row embedding")
         self.prefill_chunk = min(chunk, max_prompt_len)
@@ -219,6 +220,9 @@ class Engine:
             raise _refused(
                 "max_tokens", request.max_tokens, f"this engine takes 1 to {self.max_new_tokens}"
             )
+        if n + request.max_tokens > self.context:
+            reason = f"the prompt ({n}) and max_tokens exceed the model's context of {self.context}"
+            raise _refused("max_tokens", request.max_tokens, reason)
         try:
             self.options.replace(threshold=request.threshold, temperature=request.temperature)
         except OptionError as e:

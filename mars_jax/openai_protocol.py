@@ -238,14 +238,12 @@ class _Request(_Unsupported):
     def streaming(self) -> bool:
         return bool(self.stream)
 
-    def budget(self, default: int) -> tuple[int, str]:
+    def budget(self) -> tuple[int | None, str]:
         """(new tokens asked for, the field that asked): ``max_completion_tokens`` before
-        ``max_tokens``, ``default`` when neither is given."""
+        ``max_tokens``; None when neither is given."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
-        if self.max_tokens is not None:
-            return self.max_tokens, "max_tokens"
-        return default, "max_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 class CompletionRequest(_Request):

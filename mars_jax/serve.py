@@ -14,9 +14,8 @@ format, read in strict mode: a boolean is not a number, a float not an integer).
 ``model`` (this server's name, or absent), ``max_tokens`` or ``max_completion_tokens`` (default
 16 for completions, the server's ``--max_new_tokens`` for chat; at most that), ``temperature``
 (in [0, 2]; default ``--temperature``, 0: greedy; MARS accepts several tokens per forward where
-it is confident),
-``seed`` (0 to 2**32-1), ``stop`` (a string or a list of up to 4, none empty), ``stream``
-(server-sent events, ``data: [DONE]`` last), and the extra field ``threshold`` (in (0, 1];
+it is confident), ``seed`` (0 to 2**32-1; default: a fresh one per request), ``stop`` (a string
+or a list of up to 4, none empty), ``stream`` (server-sent events, ``data: [DONE]`` last), and the extra field ``threshold`` (in (0, 1];
 default ``--threshold``; 1.0 is exactly AR decoding). ``user`` and ``stream_options`` are
 accepted and ignored; OpenAI's fields this server does not implement (``n``, ``best_of``,
 ``top_p``, ``frequency_penalty``, ``presence_penalty``, ``logprobs``, ``top_logprobs``,
@@ -28,8 +27,9 @@ Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}`
 request (``param`` is the field, from the validation error's location: ``max_tokens``,
 ``messages[1].content``, ``stop[0]``; the message names it too), 404 for an unknown path or
 model, 429 when ``--max_waiting`` requests already wait for a slot, 503 while shutting down. A
-client that disconnects frees its slot. SIGTERM stops accepting requests, lets those in flight
-finish, and exits 0. Built on aiohttp.
+client that disconnects frees its slot, streaming or not. A prompt and budget beyond the
+model's context (``max_position_embeddings``) are a 400 naming it. SIGTERM stops accepting
+requests, lets those in flight finish, and exits 0. Built on aiohttp.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -97,17 +98,34 @@ class Server:
                 f"{where}: the prompt is {len(ids)} tokens; this server takes at most {limit}",
                 where,
             )
-        largest = self.engine.max_new_tokens
-        max_tokens, field = req.budget(16 if kind == "completions" else largest)
-        if max_tokens > largest:
-            raise RequestError(f"{field}={max_tokens!r} must lie in [1, {largest}]", field)
+        largest, context = self.engine.max_new_tokens, self.engine.context
+        room = context - len(ids)  # new tokens that fit in the model's context after the prompt
+        if room < 1:
+            raise RequestError(
+                f"{where}: the prompt is {len(ids)} tokens; the model's context is {context}",
+                where,
+            )
+        asked, field = req.budget()
+        if asked is None:  # as much as this endpoint's default, and as fits
+            max_tokens = min(16 if kind == "completions" else largest, room)
+        elif asked > largest:
+            raise RequestError(f"{field}={asked!r} must lie in [1, {largest}]", field)
+        elif asked > room:
+            raise RequestError(
+                f"{field}={asked}: the prompt ({len(ids)} tokens) and {asked} new tokens exceed "
+                f"the model's context of {context} tokens; at most {room} fit",
+                field,
+            )
+        else:
+            max_tokens = asked
         default = self.engine.options  # the server's flags
         request = engine.Request(
             tuple(ids),
             max_tokens,
             threshold=default.threshold if req.threshold is None else req.threshold,
             temperature=default.temperature if req.temperature is None else req.temperature,
-            seed=0 if req.seed is None else req.seed,
+            # No seed: a fresh one, so that identical sampled requests differ (OpenAI's way).
+            seed=secrets.randbelow(protocol.MAX_SEED + 1) if req.seed is None else req.seed,
         )
         return ids, request, req.stops, req.streaming
 
@@ -272,7 +290,7 @@ class Background:
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         ready = threading.Event()
 
         def run():
@@ -386,7 +404,14 @@ def main() -> None:
 
         app.on_shutdown.append(closing)
         logging.info("serving %s on http://%s:%d", server.model_name, host.value, port.value)
-        web.run_app(app, host=host.value, port=port.value, print=None, shutdown_timeout=60)
+        web.run_app(
+            app,
+            host=host.value,
+            port=port.value,
+            print=None,
+            shutdown_timeout=60,
+            handler_cancellation=True,  # a client gone mid-request cancels its handler
+        )
         server.engine.stop()
 
     cli.run(run)

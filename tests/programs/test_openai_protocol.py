@@ -33,7 +33,7 @@ def test_a_completion_request_and_its_defaults():
     req = accepted("completions", PROMPT)
     assert req.prompt == "hello" and req.stops == [] and not req.streaming
     assert (req.model, req.temperature, req.seed, req.threshold) == (None, None, None, None)
-    assert req.budget(16) == (16, "max_tokens")
+    assert req.budget() == (None, "max_tokens")
     full = accepted(
         "completions",
         {
@@ -49,10 +49,10 @@ def test_a_completion_request_and_its_defaults():
         },
     )
     assert full.prompt == "one prompt" and full.stops == ["\n"] and full.streaming
-    assert full.budget(16) == (7, "max_completion_tokens")
+    assert full.budget() == (7, "max_completion_tokens")
     assert (full.temperature, full.seed, full.threshold) == (1.0, 2**32 - 1, 1.0)
     nulls = {k: None for k in ("model", "max_tokens", "temperature", "seed", "stop", "stream")}
-    assert accepted("completions", {**PROMPT, **nulls}).budget(3) == (3, "max_tokens")
+    assert accepted("completions", {**PROMPT, **nulls}).budget() == (None, "max_tokens")
 
 
 def test_a_chat_request_takes_string_and_text_part_contents():

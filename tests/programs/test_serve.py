@@ -3,7 +3,8 @@ for completions, chat and streaming, each answer equal to `decode.generate` of t
 (cut at a stop string where one is given); OpenAI-style errors for 1,000 malformed or hostile
 requests while the server keeps serving correct answers, each refusal's ``param`` naming its
 field (the wire format itself: tests/programs/test_openai_protocol.py); a client that disconnects mid-stream
-frees its slot; 429 when the queue is full; and the command line, which on SIGTERM lets the
+frees its slot, streaming or not; the model's context bounds prompt plus budget; a request
+without a seed gets a fresh one; 429 when the queue is full; and the command line, which on SIGTERM lets the
 request in flight finish and exits 0."""
 
 import json
@@ -316,29 +317,108 @@ def test_errors_name_their_field_and_neutral_openai_fields_are_accepted(live, mo
     assert status == 200 and body["object"] == "chat.completion", body
 
 
-def test_disconnect_mid_stream_frees_the_slot(model, tok):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_mid_request_frees_the_slot(model, tok, stream):
+    """Streaming or not, a client that closes its connection mid-decode frees its slot at once:
+    each device call is slowed to 0.25 s here, so the request's own decode would hold the slot
+    for seconds more."""
     server, running = make(model, tok, slots=1)
+    decoder = server.engine.decoder
+
+    class Slowed:  # the engine's decoder, each device call of decoding 0.25 s longer
+        def __getattr__(self, name):
+            return getattr(decoder, name)
+
+        def steps(self, *args, **kwargs):
+            time.sleep(0.25)
+            return decoder.steps(*args, **kwargs)
+
+    server.engine.decoder = Slowed()
     try:
         body = json.dumps(
-            {"prompt": "tell me a story", "max_tokens": MAX_NEW, "stream": True, "threshold": 1.0}
+            {"prompt": "tell me a story", "max_tokens": MAX_NEW, "stream": stream, "threshold": 1.0}
         ).encode()
         with socket.create_connection(("127.0.0.1", running.port)) as s:
             s.sendall(
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
             )
-            received = b""
-            while b"data: " not in received:  # the first chunk arrived: decoding
-                received += s.recv(4096)
-        deadline = time.time() + 60
-        while server.engine.active and time.time() < deadline:
+            if stream:
+                received = b""
+                while b"data: " not in received:  # the first chunk arrived: decoding
+                    received += s.recv(4096)
+            else:
+                while server.engine.forwards == 0:  # decoding
+                    time.sleep(0.01)
+            gone = time.time()
+        while server.engine.active and time.time() < gone + 60:
             time.sleep(0.01)
-        assert server.engine.active == 0
+        freed = time.time() - gone
+        # Each device call commits at most steps_per_call (2) tokens at threshold 1.0.
+        assert server.engine.active == 0 and freed < (MAX_NEW / 2 - 2) * 0.25, freed
+        server.engine.decoder = decoder
         status, answer = post(running, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 200, answer
     finally:
         running.close()
         server.engine.stop()
+
+
+def test_prompt_and_budget_stay_within_the_models_context(model, tok):
+    """A prompt plus ``max_tokens`` beyond the model's context is a 400 naming the limit; a chat
+    without ``max_tokens`` gets the room that is left, and decodes as alone with that budget."""
+    server, running = make(model, tok)
+    context = server.engine.context = 56  # as an engine of a model with a 56-token context
+    try:
+        line = "the quick brown fox jumps over the lazy dog "
+        text = line * 4
+        n = len(tok.encode(text))
+        assert context - n < MAX_NEW  # the context, not the server's largest budget, binds
+        over = {"prompt": text, "max_tokens": context - n + 1, "threshold": 1.0}
+        status, body = post(running, "/v1/completions", over)
+        assert status == 400 and body["error"]["param"] == "max_tokens", body
+        assert f"context of {context} tokens; at most {context - n} fit" in body["error"]["message"]
+        status, body = post(running, "/v1/completions", {**over, "max_tokens": context - n})
+        assert status == 200, body
+        messages = [{"role": "user", "content": line}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        assert context - len(ids) < MAX_NEW  # the server's largest budget does not fit
+        status, body = post(
+            running, "/v1/chat/completions", {"messages": messages, "threshold": 1.0}
+        )
+        assert status == 200, body
+        room = context - len(ids)
+        assert body["choices"][0]["message"]["content"] == tok.decode(alone(model, ids, room, 1.0))
+        assert body["usage"]["completion_tokens"] <= room
+        status, body = post(running, "/v1/completions", {"prompt": line * 7, "max_tokens": 1})
+        assert status == 400 and body["error"]["param"] == "prompt", body
+        assert f"the model's context is {context}" in body["error"]["message"]
+    finally:
+        running.close()
+        server.engine.stop()
+
+
+def test_a_request_without_a_seed_gets_a_fresh_one(live):
+    """Identical sampled requests without ``seed`` decode with different seeds (OpenAI's way);
+    a given seed is the one decoded (its tokens: test_openai_client_completions_chat_and_streaming)."""
+    server, running = live
+    seen = []
+    submit = server.engine.submit
+
+    def recording(request, *args, **kwargs):
+        seen.append(request.seed)
+        return submit(request, *args, **kwargs)
+
+    server.engine.submit = recording
+    try:
+        body = {"prompt": "hi", "max_tokens": 2, "temperature": 1.0}
+        for extra in ({}, {}, {}, {}, {"seed": 5}, {"seed": 5}):
+            status, answer = post(running, "/v1/completions", {**body, **extra})
+            assert status == 200, answer
+    finally:
+        server.engine.submit = submit
+    assert len(set(seen[:4])) == 4 and all(0 <= s < 2**32 for s in seen[:4])
+    assert seen[4:] == [5, 5]
 
 
 def test_full_queue_is_429(model, tok):
