@@ -37,6 +37,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from mars_jax.decode import Decoder, DecoderSettings, DecodeState, seed_keys
@@ -60,13 +61,19 @@ class Request:
 class Update:
     """What a request received in one turn: ``tokens`` committed since the last update (EOS
     left out), ``done`` with ``finish_reason`` ("stop": an EOS; "length": the budget;
-    "cancelled"), and the request's counts so far."""
+    "cancelled"; "error": a failed device call, ``error`` saying which), and the request's
+    counts so far."""
 
     tokens: list[int]
     done: bool = False
     finish_reason: str | None = None
     completion_tokens: int = 0
     forwards: int = 0
+    error: str | None = None
+
+
+class EngineFailed(Exception):
+    """The engine gave up after repeated failures of its device calls: it takes no requests."""
 
 
 class Stream:
@@ -141,6 +148,7 @@ class Engine:
         with rule ``verify``, which is greedy).
       refill: admit a waiting request as soon as a slot frees (continuous batching); False
         admits only into an empty batch (static batching: the baseline of the load benchmark).
+      max_failures: failed turns in a row after which the engine gives up (see `start`).
     """
 
     def __init__(
@@ -157,6 +165,7 @@ class Engine:
         prefill_chunk: int | None = None,
         sampling: bool = True,
         refill: bool = True,
+        max_failures: int = 3,
         mesh=None,
         axis_rules: Any = None,
     ):
@@ -193,8 +202,7 @@ class Engine:
         self.refill = refill
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self._read_width = steps_per_call * block_size  # the most tokens a row gets per turn
-        empty = self._begin([Request((self.pad_id,), 1)] * slots)
-        self.state = self.decoder.free(empty, np.ones((slots,), bool))
+        self.state = self._empty()
         self._streams: list[Stream | None] = [None] * slots  # decoding
         self._prefills: dict[int, _Prefill] = {}  # slot -> a request being prefilled into it
         self._sent = [0] * slots  # tokens handed to each slot's stream
@@ -204,6 +212,13 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.forwards = 0  # decoding forwards run so far (each of all slots)
+        # Failures (see `start`): turns that raised, in all and in a row, and the last error.
+        self.max_failures, self.failures, self._failed_in_a_row = max_failures, 0, 0
+        self.last_error: str | None = None
+        self.healthy = True  # False from a failed turn until a request decodes again
+        self.dead = threading.Event()  # set once the engine gave up
+        self.on_dead: Callable[[], None] | None = None  # called (engine thread) when it gives up
+        self._probe: Stream | None = None
 
     # -- requests --------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
@@ -234,8 +249,10 @@ class Engine:
 
     def submit(self, request: Request, on_update: Callable[[Update], None] | None = None) -> Stream:
         """Queues ``request`` (checked first, `check`); returns its `Stream` (see there for
-        ``on_update``)."""
+        ``on_update``). `EngineFailed` once the engine gave up."""
         self.check(request)
+        if self.dead.is_set():
+            raise EngineFailed(f"the engine gave up after repeated failures: {self.last_error}")
         stream = Stream(request, on_update)
         with self._lock:
             self._waiting.append(stream)
@@ -258,6 +275,11 @@ class Engine:
         return len(self._prefills)
 
     # -- the host loop ---------------------------------------------------------------------------
+    def _empty(self) -> DecodeState:
+        """A batch state of ``slots`` free rows."""
+        empty = self._begin([Request((self.pad_id,), 1)] * self.slots)
+        return self.decoder.free(empty, np.ones((self.slots,), bool))
+
     def _begin(self, requests: Sequence[Request]) -> DecodeState:
         rows, width = len(requests), self._width
         ids = np.full((rows, width), self.pad_id, np.int32)
@@ -349,19 +371,76 @@ class Engine:
             if update.done:
                 self._streams[slot], free[slot] = None, True
         self.state = self.decoder.free(self.state, free)
+        self.healthy, self._failed_in_a_row = True, 0  # a decoding turn went through
         return self.active > 0 or bool(self._waiting or self._prefills)
 
     def start(self) -> None:
-        """Runs the host loop in a daemon thread until `stop`."""
+        """Runs the host loop in a daemon thread until `stop`.
+
+        A turn that raises (a failed device call) ends the requests in flight with
+        finish_reason "error" (their ``error`` naming it) and rebuilds the batch state, whose
+        donated buffers may be gone; the engine is not `healthy` until a request decodes again
+        (with none waiting, it decodes a one-token probe of its own, after a pause that doubles
+        with each failure). After ``max_failures`` failed turns in a row it gives up: `dead` is
+        set, waiting requests end with "error", `submit` raises `EngineFailed`, and
+        ``on_dead`` is called (the server exits non-zero, for a supervisor to restart it).
+        """
 
         def loop():
-            while not self._stop.is_set():
-                if not self.run_once():
+            while not self._stop.is_set() and not self.dead.is_set():
+                try:
+                    if not self.healthy and self._probe is None and not self._waiting:
+                        self._probe = Stream(Request((self.pad_id,), 1))
+                        with self._lock:
+                            self._waiting.appendleft(self._probe)
+                    busy = self.run_once()
+                except Exception as error:  # noqa: BLE001 - every failure ends its requests
+                    self._fail(error)
+                    self._stop.wait(min(0.05 * 2**self._failed_in_a_row, 2.0))
+                    continue
+                if self._probe is not None and not self._probe._queue.empty():
+                    self._probe = None  # it decoded: `run_once` set healthy
+                if not busy:
                     self._wake.wait(0.05)
                     self._wake.clear()
 
         self._thread = threading.Thread(target=loop, name="mars-engine", daemon=True)
         self._thread.start()
+
+    def _fail(self, error: Exception) -> None:
+        """A turn raised ``error``: see `start`."""
+        self.failures += 1
+        self._failed_in_a_row += 1
+        self.healthy, self._probe = False, None
+        self.last_error = f"{type(error).__name__}: {error}"
+        logging.error(
+            "decoding failed (%d in a row): %s",
+            self._failed_in_a_row,
+            self.last_error,
+            exc_info=error,
+        )
+        message = f"decoding failed on the device: {self.last_error}"
+        in_flight = [*self._streams, *(p.stream for p in self._prefills.values())]
+        self._streams, self._sent = [None] * self.slots, [0] * self.slots
+        self._prefills.clear()
+        if self._failed_in_a_row < self.max_failures:
+            try:
+                self.state = self._empty()
+            except Exception as again:  # noqa: BLE001 - no state to decode with: give up
+                self.last_error = f"{type(again).__name__}: {again}"
+                self._failed_in_a_row = self.max_failures
+        if self._failed_in_a_row >= self.max_failures:
+            self.dead.set()
+            with self._lock:
+                in_flight += list(self._waiting)
+                self._waiting.clear()
+        for stream in in_flight:
+            if stream is not None:
+                stream.put(Update([], True, "error", error=message))
+        if self.dead.is_set():
+            logging.error("the engine gives up after %d failed turns", self._failed_in_a_row)
+            if self.on_dead is not None:
+                self.on_dead()
 
     def stop(self) -> None:
         """Ends the loop after its current turn; requests still queued or decoding are ended

@@ -2,7 +2,7 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
 
   python -m mars_jax.serve --workdir=runs/mars --port=8000 [--host=127.0.0.1 --slots=8
       --threshold=0.95 --max_prompt_len=1024 --max_new_tokens=512 --max_waiting=64
-      --prefill_chunk=256 --mesh=1,1,8 --temperature=0 --rule prob]
+      --prefill_chunk=256 --mesh=1,1,8 --temperature=0 --rule prob --max_failures=3]
 
 The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
@@ -30,6 +30,11 @@ model, 429 when ``--max_waiting`` requests already wait for a slot, 503 while sh
 client that disconnects frees its slot, streaming or not. A prompt and budget beyond the
 model's context (``max_position_embeddings``) are a 400 naming it. SIGTERM stops accepting
 requests, lets those in flight finish, and exits 0. Built on aiohttp.
+
+A failed device call (see `engine.Engine.start`) answers the requests in flight with a 500 in
+the same shape (a streamed one: as its last event, before ``data: [DONE]``); ``/health`` is 503
+("recovering") until the engine decodes again, and 500 ("failed") if it gives up, when the
+server stops and exits 1 for a supervisor to restart it. ``/health`` is 200 only while "ok".
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import threading
 import time
 import uuid
@@ -151,6 +157,10 @@ class Server:
         try:
             while True:
                 update = await updates.get()
+                if update.finish_reason == "error":  # a failed device call (engine.start)
+                    raise RequestError(update.error or "decoding failed", None, 500)
+                if update.finish_reason == "cancelled":  # the engine stopped: shutting down
+                    raise RequestError("the server shut down before the request ended", None, 503)
                 delta = text.add(update.tokens)
                 reason = text.finish_reason
                 if reason is None and update.done:
@@ -178,13 +188,17 @@ def build_app(server: Server) -> web.Application:
     app = web.Application(client_max_size=4 << 20)
 
     async def health(_):
-        return web.json_response(
-            {
-                "status": "closing" if server.closing else "ok",
-                "active": server.engine.active,
-                "waiting": server.engine.waiting,
-            }
-        )
+        eng = server.engine
+        status, code = "ok", 200
+        if eng.dead.is_set():
+            status, code = "failed", 500
+        elif server.closing:
+            status, code = "closing", 503
+        elif not eng.healthy:
+            status, code = "recovering", 503
+        body = {"status": status, "active": eng.active, "waiting": eng.waiting}
+        body |= {"failures": eng.failures, "last_error": eng.last_error}
+        return web.json_response(body, status=code)
 
     async def models(_):
         return web.json_response(
@@ -217,6 +231,10 @@ def build_app(server: Server) -> web.Application:
                 if server.engine.waiting >= server.max_waiting:
                     raise RequestError(
                         "the server is busy: too many requests wait for a slot", None, 429
+                    )
+                if server.engine.dead.is_set():
+                    raise RequestError(
+                        f"the decoding engine failed: {server.engine.last_error}", None, 503
                     )
                 chunks = server.decode(ids, req, stops)
                 try:
@@ -274,10 +292,13 @@ async def _stream(request, kind, server, chunks) -> web.StreamResponse:
     await response.prepare(request)
     first = True
     try:
-        async for delta, reason, usage in chunks:
-            body = _body(kind, server.model_name, delta, reason, usage, delta=True, first=first)
-            first = False
-            await response.write(f"data: {json.dumps(body)}\n\n".encode())
+        try:
+            async for delta, reason, usage in chunks:
+                body = _body(kind, server.model_name, delta, reason, usage, delta=True, first=first)
+                first = False
+                await response.write(f"data: {json.dumps(body)}\n\n".encode())
+        except RequestError as e:  # the status line is sent: the error is the last event
+            await response.write(f"data: {e.body().model_dump_json()}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
     except ConnectionResetError:  # the client went away: the caller frees the slot
         pass
@@ -339,6 +360,7 @@ def make_server(
     mesh=None,
     axis_rules=None,
     model_name: str | None = None,
+    max_failures: int = 3,
 ) -> Server:
     """The `Server` of the model ``opened`` (`sources.open`, on ``mesh`` if given), its engine
     started: ``options`` are the requests' defaults, ``options.max_new_tokens`` the largest
@@ -351,6 +373,7 @@ def make_server(
         **opened.decode_ids(),
         steps_per_call=steps_per_call,
         prefill_chunk=prefill_chunk,
+        max_failures=max_failures,
         mesh=mesh,
         axis_rules=axis_rules,
     )
@@ -380,6 +403,9 @@ def main() -> None:
         "mesh", None, "data,fsdp,tensor sizes of a mesh over this host's devices (e.g. 1,1,8)."
     )
     name = flags.DEFINE_string("model_name", None, "Model id (default: the workdir's name).")
+    max_failures = flags.DEFINE_integer(
+        "max_failures", 3, "Failed device calls in a row after which the server exits 1."
+    )
 
     def run():
         shape = None if mesh_sizes.value is None else [int(n) for n in mesh_sizes.value]
@@ -396,8 +422,11 @@ def main() -> None:
             mesh=mesh,
             axis_rules=rules,
             model_name=name.value,
+            max_failures=max_failures.value,
         )
         app = build_app(server)
+        # The engine gave up (engine.Engine.start): shut down as on SIGTERM, then exit 1.
+        server.engine.on_dead = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
         async def closing(_):
             server.closing = True
@@ -413,6 +442,8 @@ def main() -> None:
             handler_cancellation=True,  # a client gone mid-request cancels its handler
         )
         server.engine.stop()
+        if server.engine.dead.is_set():
+            raise SystemExit(f"error: the decoding engine failed: {server.engine.last_error}")
 
     cli.run(run)
 

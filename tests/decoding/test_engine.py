@@ -1,11 +1,14 @@
 """Continuous batching (`mars_jax.engine`): every request's completion equals `decode.generate` of
 its prompt alone with its settings, whatever else is in flight and whenever it was admitted
 (staggered arrivals, more requests than slots, mixed thresholds, budgets, temperatures and
-seeds), and a cancelled request frees its slot for the next one."""
+seeds), and a cancelled request frees its slot for the next one; a failed device call ends the
+requests in flight with an error, and the engine recovers or gives up."""
 
 import ast
 import dataclasses
 import pathlib
+import threading
+import time
 
 import jax
 import numpy as np
@@ -274,3 +277,94 @@ def test_the_engine_leaves_jax_to_the_decoder():
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "jax.numpy" not in imported
     assert not [m for m in imported if m == "jax" or m.startswith("jax.")], imported
+
+
+class FaultyDecoder:
+    """A `Decoder` whose ``steps`` raise while ``broken`` is set, after running (so the batch
+    state it was given is donated and gone, as after a real failed device call)."""
+
+    def __init__(self, decoder):
+        self.decoder, self.broken, self.calls = decoder, threading.Event(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+    def steps(self, params, state, num_steps):
+        self.calls += 1
+        out = self.decoder.steps(params, state, num_steps)
+        if self.broken.is_set():
+            raise RuntimeError("INTERNAL: injected device fault")
+        return out
+
+
+def wait_until(condition, timeout=120.0):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_failed_device_call_ends_its_requests_and_the_engine_recovers(model):
+    """The requests in flight when a device call raises end with finish_reason "error" naming
+    it (none hangs); the engine is unhealthy, probes while the fault lasts, and once it is gone
+    decodes again, each request as alone."""
+    eng = qwen_engine(
+        model,
+        slots=2,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=1,
+        max_failures=1000,
+    )
+    faulty = eng.decoder = FaultyDecoder(eng.decoder)
+    reqs = requests(3, seed=21)
+    faulty.broken.set()
+    eng.start()
+    try:
+        streams = [eng.submit(r) for r in reqs]  # two decode, one waits (and is then admitted)
+        for stream in streams:
+            tokens, last = stream.result(timeout=120)
+            assert (last.finish_reason, tokens) == ("error", [])
+            assert "injected device fault" in last.error
+        assert not eng.healthy and not eng.dead.is_set()
+        calls = faulty.calls
+        wait_until(lambda: faulty.calls > calls + 1)  # it keeps probing
+        assert not eng.healthy
+        faulty.broken.clear()
+        wait_until(lambda: eng.healthy)
+        assert eng.failures >= 3 and "injected device fault" in eng.last_error
+        streams = [eng.submit(r) for r in reqs]
+        for request, stream in zip(reqs, streams):
+            assert stream.result(timeout=120)[0] == alone(model, request)
+    finally:
+        eng.stop()
+
+
+def test_an_engine_that_keeps_failing_gives_up(model):
+    """After max_failures failed turns in a row: dead, on_dead called once, the waiting
+    requests answered with "error", and new ones refused with EngineFailed."""
+    eng = qwen_engine(
+        model,
+        slots=1,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=1,
+        max_failures=2,
+    )
+    faulty = eng.decoder = FaultyDecoder(eng.decoder)
+    faulty.broken.set()
+    called = []
+    eng.on_dead = lambda: called.append(eng.dead.is_set())
+    streams = [eng.submit(r) for r in requests(4, seed=5)]  # one slot: three wait
+    eng.start()
+    try:
+        wait_until(eng.dead.is_set)
+        for stream in streams:
+            assert stream.result(timeout=10)[1].finish_reason == "error"
+        assert called == [True] and faulty.calls == 2 and not eng.healthy
+        with pytest.raises(engine.EngineFailed, match="injected device fault"):
+            eng.submit(requests(1)[0])
+    finally:
+        eng.stop()

@@ -25,7 +25,8 @@ import pytest
 from mars_jax import serve, train
 from mars_jax.tokenizer import load_tokenizer
 from tests.decode_oracles import make_model, qwen_engine, qwen_generate
-from tests.helpers import ROOT, python_env
+from tests.decoding.test_engine import FaultyDecoder, wait_until
+from tests.helpers import ROOT, python_env, write_released
 from tests.train_runs import get_config
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 4, 64, 24
@@ -56,7 +57,10 @@ def make(model, tok, **kw):
         block_size=B,
         threshold=kw.pop("threshold", 0.9),
         steps_per_call=2,
+        max_failures=kw.pop("max_failures", 3),
     )
+    if kw.pop("faulty", False):
+        eng.decoder = FaultyDecoder(eng.decoder)
     eng.start()
     server = serve.Server(eng, tok, model_name="tiny", max_waiting=kw.pop("max_waiting", 64))
     return server, serve.Background(serve.build_app(server))
@@ -421,6 +425,62 @@ def test_a_request_without_a_seed_gets_a_fresh_one(live):
     assert seen[4:] == [5, 5]
 
 
+def health(running) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(running.url + "/health", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_failed_device_call_is_a_500_and_the_server_recovers(model, tok):
+    """While device calls fail: a request in flight gets a 500 in OpenAI's shape (a streamed
+    one, the error as its last event: the openai client raises), and /health is 503; once the
+    fault is gone /health is 200 again and answers equal the prompt decoded alone. An engine
+    that gives up makes /health 500 and new requests 503."""
+    server, running = make(model, tok, faulty=True, max_failures=1000)
+    faulty = server.engine.decoder
+    try:
+        faulty.broken.set()
+        status, body = post(running, "/v1/completions", {"prompt": "Hi", "max_tokens": 8})
+        assert status == 500, body
+        assert body["error"]["type"] == "server_error"
+        assert "injected device fault" in body["error"]["message"]
+        with pytest.raises(openai.APIError, match="injected device fault"):
+            for _ in client(running).chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=8,
+                stream=True,
+            ):
+                pass
+        status, body = health(running)
+        assert (status, body["status"]) == (503, "recovering") and body["failures"] >= 2
+        faulty.broken.clear()
+        wait_until(lambda: health(running)[0] == 200)
+        ids = tok.encode("Hi")
+        status, body = post(
+            running, "/v1/completions", {"prompt": "Hi", "max_tokens": 8, "threshold": 0.9}
+        )
+        assert status == 200 and body["choices"][0]["text"] == tok.decode(alone(model, ids, 8, 0.9))
+    finally:
+        running.close()
+        server.engine.stop()
+
+    server, running = make(model, tok, faulty=True, max_failures=1)
+    try:
+        server.engine.decoder.broken.set()
+        status, body = post(running, "/v1/completions", {"prompt": "Hi", "max_tokens": 8})
+        assert status == 500, body
+        status, body = health(running)
+        assert (status, body["status"]) == (500, "failed"), body
+        status, body = post(running, "/v1/completions", {"prompt": "Hi", "max_tokens": 8})
+        assert status == 503 and "injected device fault" in body["error"]["message"], body
+    finally:
+        running.close()
+        server.engine.stop()
+
+
 def test_full_queue_is_429(model, tok):
     server, running = make(model, tok, max_waiting=0)  # the live server's shapes: no compile
     try:
@@ -494,6 +554,66 @@ def test_command_line_serves_and_exits_0_on_sigterm(tmp_path):
     status, body = result["answer"]
     assert status == 200, body
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] >= 1
+
+
+FAULT = """
+import sys
+from mars_jax import decode, serve
+
+def broken(self, params, state, num_steps):
+    raise RuntimeError("INTERNAL: injected device fault")
+
+decode.Decoder.steps = broken
+sys.argv[0] = "serve"
+serve.main()
+"""
+
+
+@pytest.mark.subprocess
+def test_command_line_exits_1_when_the_engine_gives_up(tmp_path):
+    """Every device call fails: the request gets a 500, the server stops and exits 1 (for a
+    supervisor to restart it), naming the failure."""
+    path = tmp_path / "released"
+    write_released(path, block_size=4)
+    port = free_port()
+    args = [
+        f"--workdir={path}",
+        f"--port={port}",
+        "--slots=1",
+        "--max_new_tokens=8",
+        "--max_prompt_len=32",
+        "--max_failures=2",
+        "--threshold=1.0",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAULT, *args],
+        cwd=ROOT,
+        env=python_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    running = type("R", (), {"url": f"http://127.0.0.1:{port}"})()
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                if health(running)[0] == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.time() < deadline
+            time.sleep(0.2)
+        status, body = post(running, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert status == 500 and "injected device fault" in body["error"]["message"], body
+        assert proc.wait(timeout=120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "error: the decoding engine failed: RuntimeError: INTERNAL: injected device fault" in (
+        proc.stderr.read()
+    )
 
 
 def test_control_tokens_spelled_in_a_message_stay_text(live, tok):
