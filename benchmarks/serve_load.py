@@ -50,7 +50,8 @@ FLAGS = flags.FLAGS
 
 def define_flags():
     flags.DEFINE_enum("model", "trained", ["trained", "tiny"], "A trained run or tiny random.")
-    flags.DEFINE_string("workdir", None, "The run served (--model=trained).")
+    flags.DEFINE_string("workdir", None, "The run or HF directory served (--model=trained).")
+    flags.DEFINE_integer("block_size", None, "Block size (default: the run's or config.json's).")
     flags.DEFINE_string("prompts", "../shared/data/gsm8k/test.jsonl", "GSM8K-style JSONL.")
     flags.DEFINE_integer("requests", 64, "Requests per mode.")
     flags.DEFINE_float("rate", 2.0, "Mean arrivals per second (Poisson).")
@@ -71,7 +72,7 @@ def load_model():
     if FLAGS.model == "trained":
         if not FLAGS.workdir:
             raise app.UsageError("--model=trained needs --workdir")
-        opened = sources.open(FLAGS.workdir)
+        opened = sources.open(FLAGS.workdir, block_size=FLAGS.block_size)
         name = os.path.basename(os.path.normpath(FLAGS.workdir))
         return opened.model, opened.tokenizer, opened.block_size, name
     from flax import nnx

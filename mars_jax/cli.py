@@ -158,7 +158,7 @@ def step_flag() -> flags.FlagHolder:
 
 class DecodingFlags:
     """The decoding flags of a program that decodes a model it opens (generate, serve):
-    ``--threshold``, ``--block_size``, ``--max_new_tokens``, ``--temperature``,
+    ``--threshold``, ``--block_size``, ``--max_new_tokens``, ``--temperature``, ``--top_p``,
     ``--cache_mode`` and ``--rule``, read into one `DecodeOptions` (`open`)."""
 
     def __init__(
@@ -182,6 +182,9 @@ class DecodingFlags:
             "max_new_tokens", max_new_tokens, budget_help, **define
         )
         self.temperature = flags.DEFINE_float("temperature", 0.0, "0 = greedy.", **define)
+        self.top_p = flags.DEFINE_float(
+            "top_p", 1.0, "Nucleus sampling (with temperature > 0); 1 = every token.", **define
+        )
         self.cache_mode = flags.DEFINE_enum(
             "cache_mode", "sliding", CACHE_MODES, "KV cache scheme.", **define
         )
@@ -198,6 +201,7 @@ class DecodingFlags:
             block_size=self.block_size.value,
             max_new_tokens=self.max_new_tokens.value,
             temperature=self.temperature.value,
+            top_p=self.top_p.value,
             cache_mode=self.cache_mode.value,
             rule=self.rule.value,
         )

@@ -267,6 +267,19 @@ def _confident(conf: jax.Array, threshold: jax.Array) -> jax.Array:
     return (conf >= threshold[:, None]) & (threshold[:, None] < 1.0)
 
 
+def top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``logits`` [R, C, V] with every token outside each row's nucleus set to the float
+    minimum: row r keeps the most likely tokens while the probability before them is below
+    top_p [R] (so the kept set is the smallest whose probabilities sum to >= top_p; ties at its
+    edge kept), all of them where top_p >= 1."""
+    desc = -jnp.sort(-logits, axis=-1)
+    p = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(p, axis=-1) - p
+    kept = (before < top_p[:, None, None]) | (top_p[:, None, None] >= 1.0)
+    cutoff = jnp.min(jnp.where(kept, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= cutoff, logits, jnp.finfo(logits.dtype).min)
+
+
 # -- state and result -----------------------------------------------------------------------------
 @flax.struct.dataclass
 class DecodeState:
@@ -278,6 +291,9 @@ class DecodeState:
     max_accept: int32 [R], most tokens accepted per forward.
     temperature: float32 [R], 0 greedy, else sampled (only where the decoder samples).
     row_keys: PRNG keys [R], each row's sampling key (noise is keyed by key and position).
+    top_p: float32 [R], nucleus sampling: a sampling row draws from the smallest set of tokens
+      whose probabilities (after its temperature) sum to >= top_p (1.0: all).
+    want_logprobs: bool [R], record the row's log-probabilities (where the decoder records).
     prompt_lengths: int32 [R], where each completion starts.
 
     Decoding progress:
@@ -297,12 +313,19 @@ class DecodeState:
     done: bool [R], the row accepted an EOS or reached ``max_new_tokens``.
     row_forwards: int32 [R], forwards in which the row was active.
     forwards: int32 [], forwards of the batch.
+
+    Log-probabilities (None unless `DecoderSettings.logprobs` is set; K its value):
+    logprobs: float32 [R, S], at each committed position the token's log-probability under the
+      model's distribution in the forward that chose it (before temperature and top_p).
+    top_ids, top_logprobs: int32 / float32 [R, S, K], the K most likely tokens there.
     """
 
     threshold: jax.Array
     max_accept: jax.Array
     temperature: jax.Array
     row_keys: jax.Array
+    top_p: jax.Array
+    want_logprobs: jax.Array
     prompt_lengths: jax.Array
     cache: KVCache | None
     tokens: jax.Array
@@ -313,6 +336,9 @@ class DecodeState:
     done: jax.Array
     row_forwards: jax.Array
     forwards: jax.Array
+    logprobs: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -335,19 +361,26 @@ class NewTokens:
     already seen:
     tokens: int32 [R, W], row r's tokens from position prompt_lengths[r] + sent[r]; only the first
       new_tokens[r] - sent[r] are committed (the rest are drafts or stale).
-    new_tokens, row_forwards: int32 [R], as in `DecodeState`. forwards: int32 [], the batch's."""
+    new_tokens, row_forwards: int32 [R], as in `DecodeState`. forwards: int32 [], the batch's.
+    logprobs [R, W], top_ids and top_logprobs [R, W, K]: those of ``tokens`` (`DecodeState`),
+      None where the decoder records none."""
 
     tokens: Any
     new_tokens: Any
     row_forwards: Any
     forwards: Any
+    logprobs: Any = None
+    top_ids: Any = None
+    top_logprobs: Any = None
 
 
 # -- the decoder ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DecoderSettings:
     """The static settings of one decoder program (hashable: part of the jit cache key).
-    ``rule`` is a name of `ACCEPTANCE_RULES`; ``sampling`` whether any row samples."""
+    ``rule`` is a name of `ACCEPTANCE_RULES`; ``sampling`` whether any row samples;
+    ``logprobs`` (None: none) records each committed token's log-probability and the
+    ``logprobs`` most likely alternatives for the rows that ask (``sliding`` and ``none``)."""
 
     block_size: int
     max_new_tokens: int
@@ -360,6 +393,7 @@ class DecoderSettings:
     mesh: Mesh | None
     axis_rules: Any  # flax logical-axis rules ((name, mesh axes), ...) or None
     on_accept: Callable | None
+    logprobs: int | None = None
 
     @classmethod
     def of(
@@ -372,10 +406,13 @@ class DecoderSettings:
         mesh: Mesh | None = None,
         axis_rules: Any = None,
         on_accept: Callable | None = None,
+        logprobs: int | None = None,
     ) -> DecoderSettings:
         """The program's settings of (already checked) ``options``: the one place they turn
         into static settings. ``sampling`` defaults to whether the options sample; the mask id
         as `mask_id_for` (None only at block size 1)."""
+        if logprobs is not None and (logprobs < 0 or options.cache_mode.value == "block"):
+            raise InputError(f"logprobs: {logprobs}; needs >= 0 and cache_mode sliding or none")
         return cls(
             block_size=options.block_size,
             max_new_tokens=options.max_new_tokens,
@@ -388,6 +425,7 @@ class DecoderSettings:
             mesh=mesh,
             axis_rules=None if axis_rules is None else tuple(axis_rules),
             on_accept=on_accept,
+            logprobs=logprobs,
         )
 
     @property
@@ -431,7 +469,7 @@ class Decoder:
     A continuous-batching host loop (`mars_jax.engine`, after JetStream's prefill / insert /
     generate / free) keeps only slot ids and host counts, and leaves every device update here:
 
-      batch = decoder.insert(batch, one_row_state, slot)     # a prefilled request into a slot
+      batch = decoder.insert(batch, group_state, slots)      # prefilled requests into slots
       batch = decoder.steps(params, batch, num_steps)        # a few forwards of every row
       new = decoder.read_new_tokens(batch, sent, width)      # host numpy: tokens since ``sent``
       batch = decoder.free(batch, rows)                      # rows bool [R] marked done
@@ -462,13 +500,23 @@ class Decoder:
     # The jitted entry points: each enters the mesh and traces the `_`-method of its name.
     @_static_self
     def prefill(
-        self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+        self,
+        params,
+        prompt_ids,
+        prompt_lengths,
+        threshold,
+        max_accept,
+        temperature,
+        row_keys,
+        top_p=1.0,
+        want_logprobs=False,
     ) -> DecodeState:
         """The state after the prompts' forward (no token decoded yet).
 
         prompt_ids int32 [R, P] (right-padded), prompt_lengths int32 [R] in 1..P; threshold
         float32 [R]; max_accept int32 [] or [R]; temperature float32 [] or [R]; row_keys: one
-        PRNG key or one per row [R]. Unchecked: `generate` checks its arguments.
+        PRNG key or one per row [R]; top_p float32 [] or [R]; want_logprobs bool [] or [R].
+        Unchecked: `generate` checks its arguments.
         """
         with self._on_mesh():
             return self._prefill(
@@ -479,11 +527,22 @@ class Decoder:
                 max_accept,
                 temperature,
                 row_keys,
+                top_p,
+                want_logprobs,
             )
 
     @_static_self
     def begin(
-        self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+        self,
+        params,
+        prompt_ids,
+        prompt_lengths,
+        threshold,
+        max_accept,
+        temperature,
+        row_keys,
+        top_p=1.0,
+        want_logprobs=False,
     ) -> DecodeState:
         """A chunked prefill's first state (``sliding`` or ``none`` mode; arguments as
         `prefill`): the prompts' tokens and settings with an empty cache, which
@@ -492,7 +551,14 @@ class Decoder:
         with self._on_mesh():
             model = nnx.merge(self.graphdef, params)
             s = self._initial(
-                prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+                prompt_ids,
+                prompt_lengths,
+                threshold,
+                max_accept,
+                temperature,
+                row_keys,
+                top_p,
+                want_logprobs,
             )
             if self.settings.cache_mode == "none":
                 return s
@@ -535,22 +601,26 @@ class Decoder:
             return self._branch(nnx.merge(self.graphdef, params), state, name)
 
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-    def insert(self, state: DecodeState, one: DecodeState, slot) -> DecodeState:
-        """``state`` (R rows, donated) with row ``slot`` (int32 []) replaced by the one-row
-        state ``one`` (same S): its KV cache row, tokens, cursors and settings; the batch's
+    def insert(self, state: DecodeState, group: DecodeState, slots) -> DecodeState:
+        """``state`` (R rows, donated) with row g of ``group`` (G rows, same S) written into row
+        slots[g] (int32 [G], or [] for a one-row group): its KV cache row, tokens, cursors and
+        settings; a slot outside 0..R-1 drops its row (a padding row). The batch's
         ``forwards`` kept."""
+        slots = jnp.atleast_1d(slots)
 
         def put(big, small):
-            return big.at[slot].set(small[0])
+            return big.at[slots].set(small, mode="drop")
 
         fields = {
-            f.name: put(getattr(state, f.name), getattr(one, f.name))
+            f.name: put(getattr(state, f.name), getattr(group, f.name))
             for f in dataclasses.fields(state)
-            if f.name not in ("cache", "forwards")
+            if f.name not in ("cache", "forwards") and getattr(state, f.name) is not None
         }
         cache = None
         if state.cache is not None:
-            cache = {n: state.cache[n].at[:, slot].set(one.cache[n][:, 0]) for n in state.cache}
+            cache = {
+                n: state.cache[n].at[:, slots].set(group.cache[n], mode="drop") for n in state.cache
+            }
         return state.replace(cache=cache, **fields)
 
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -568,8 +638,16 @@ class Decoder:
         again past W."""
         slots = state.tokens.shape[1]
         at = state.prompt_lengths[:, None] + sent[:, None] + jnp.arange(width)
-        tokens = jnp.take_along_axis(state.tokens, jnp.minimum(at, slots - 1), axis=1)
-        return NewTokens(tokens, state.new_tokens, state.row_forwards, state.forwards)
+        at = jnp.minimum(at, slots - 1)
+        tokens = jnp.take_along_axis(state.tokens, at, axis=1)
+        new = NewTokens(tokens, state.new_tokens, state.row_forwards, state.forwards)
+        if state.logprobs is None:
+            return new
+        return new.replace(
+            logprobs=jnp.take_along_axis(state.logprobs, at, axis=1),
+            top_ids=jnp.take_along_axis(state.top_ids, at[:, :, None], axis=1),
+            top_logprobs=jnp.take_along_axis(state.top_logprobs, at[:, :, None], axis=1),
+        )
 
     def read_new_tokens(self, state: DecodeState, sent, width: int) -> NewTokens:
         """Host side of `new_tokens`: numpy arrays, with every row's committed tokens past
@@ -577,11 +655,18 @@ class Decoder:
         row has more unseen tokens: one more read per ``width``)."""
         sent = np.asarray(sent, np.int32)
         new = jax.device_get(self.new_tokens(state, sent, width))
-        pieces = [new.tokens]
+        pieces = [new]
         while (new.new_tokens - sent > width * len(pieces)).any():
             more = self.new_tokens(state, sent + width * len(pieces), width)
-            pieces.append(jax.device_get(more.tokens))
-        return new.replace(tokens=np.concatenate(pieces, axis=1))
+            pieces.append(jax.device_get(more))
+        names = (
+            ("tokens",)
+            if new.logprobs is None
+            else ("tokens", "logprobs", "top_ids", "top_logprobs")
+        )
+        return new.replace(
+            **{n: np.concatenate([getattr(p, n) for p in pieces], axis=1) for n in names}
+        )
 
     @_static_self
     def result(self, state: DecodeState) -> DecodeResult:
@@ -595,27 +680,70 @@ class Decoder:
         return jnp.all(state.done) | (state.forwards >= self.settings.max_forwards)
 
     def decode(
-        self, params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+        self,
+        params,
+        prompt_ids,
+        prompt_lengths,
+        threshold,
+        max_accept,
+        temperature,
+        row_keys,
+        top_p=1.0,
     ) -> DecodeResult:
         """prefill, the steps in a ``lax.while_loop`` and the result, traced as one program
         (call it inside ``jit``, as `_generate` does). Arguments as `prefill`."""
         with self._on_mesh():
             model = nnx.merge(self.graphdef, params)
             s = self._prefill(
-                model, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+                model,
+                prompt_ids,
+                prompt_lengths,
+                threshold,
+                max_accept,
+                temperature,
+                row_keys,
+                top_p,
             )
             s = jax.lax.while_loop(lambda s: ~self.finished(s), lambda s: self._step(model, s), s)
             return self._result(s)
 
     # -- the traced pieces ------------------------------------------------------------------------
     def _project(self, model: Qwen2, s: DecodeState, hidden: jax.Array) -> jax.Array:
-        """fp32 logits [R, C, V] of hidden states [R, C, D], divided by each sampling row's
-        temperature (confidences are then those of the distribution sampled from)."""
-        logits = model.logits(hidden)
+        """fp32 logits [R, C, V] of hidden states [R, C, D], as `_sampled`."""
+        return self._sampled(s, model.logits(hidden))
+
+    def _sampled(self, s: DecodeState, logits: jax.Array) -> jax.Array:
+        """The model's logits [R, C, V] as each sampling row draws from them: divided by its
+        temperature, those outside its top_p nucleus at the float minimum (confidences are then
+        those of the distribution sampled from). Greedy rows' logits are left as they are."""
         if not self.settings.sampling:
             return logits
         t = s.temperature[:, None, None]
-        return logits / jnp.where(t > 0, t, 1.0)
+        logits = logits / jnp.where(t > 0, t, 1.0)
+        nucleus = (s.temperature > 0) & (s.top_p < 1.0)
+        top_p = jnp.where(nucleus, s.top_p, 1.0)
+        return jax.lax.cond(jnp.any(nucleus), lambda x: top_p_filter(x, top_p), lambda x: x, logits)
+
+    def _record(self, s: DecodeState, logits: jax.Array, token: jax.Array) -> DecodeState:
+        """``s`` with the log-probabilities of ``token`` int32 [R, C] (the candidates at
+        positions committed + 0..C-1) under the model's logits [R, C, V], and the K most likely
+        tokens there, written at those positions (where any active row wants them)."""
+        k = self.settings.logprobs
+        if k is None:
+            return s
+
+        def write(s):
+            logp = _log_probs(logits)
+            s = s.replace(logprobs=write_window(s.logprobs, _at(logp, token), s.committed))
+            if k == 0:
+                return s
+            top, ids = jax.lax.top_k(logp, k)
+            return s.replace(
+                top_logprobs=write_window(s.top_logprobs, top, s.committed),
+                top_ids=write_window(s.top_ids, ids.astype(jnp.int32), s.committed),
+            )
+
+        return jax.lax.cond(jnp.any(s.want_logprobs & ~s.done), write, lambda s: s, s)
 
     def _choose(self, s: DecodeState, logits: jax.Array, positions: jax.Array) -> jax.Array:
         """int32 [R, C]: greedy or sampled candidates from `_project`'s logits [R, C, V], where
@@ -678,7 +806,15 @@ class Decoder:
         )
 
     def _initial(
-        self, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+        self,
+        prompt_ids,
+        prompt_lengths,
+        threshold,
+        max_accept,
+        temperature,
+        row_keys,
+        top_p=1.0,
+        want_logprobs=False,
     ) -> DecodeState:
         """The state before any forward: the prompts in their token slots, no cache."""
         st = self.settings
@@ -691,6 +827,8 @@ class Decoder:
             max_accept=per_row(max_accept, jnp.int32),
             temperature=per_row(temperature, jnp.float32),
             row_keys=row_keys,
+            top_p=per_row(top_p, jnp.float32),
+            want_logprobs=per_row(want_logprobs, bool),
             prompt_lengths=prompt_lengths,
             cache=None,
             tokens=_rowwise(jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids)),
@@ -701,13 +839,42 @@ class Decoder:
             done=jnp.zeros((rows,), bool),
             row_forwards=jnp.zeros((rows,), jnp.int32),
             forwards=jnp.int32(0),
+            **self._logprob_slots(rows, slots),
+        )
+
+    def _logprob_slots(self, rows: int, slots: int) -> dict[str, jax.Array]:
+        k = self.settings.logprobs
+        if k is None:
+            return {}
+        return dict(
+            logprobs=jnp.zeros((rows, slots), jnp.float32),
+            top_ids=jnp.zeros((rows, slots, k), jnp.int32),
+            top_logprobs=jnp.zeros((rows, slots, k), jnp.float32),
         )
 
     def _prefill(
-        self, model, prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys
+        self,
+        model,
+        prompt_ids,
+        prompt_lengths,
+        threshold,
+        max_accept,
+        temperature,
+        row_keys,
+        top_p=1.0,
+        want_logprobs=False,
     ) -> DecodeState:
         st = self.settings
-        s = self._initial(prompt_ids, prompt_lengths, threshold, max_accept, temperature, row_keys)
+        s = self._initial(
+            prompt_ids,
+            prompt_lengths,
+            threshold,
+            max_accept,
+            temperature,
+            row_keys,
+            top_p,
+            want_logprobs,
+        )
         if st.cache_mode == "none":
             return s
         rows, prompt_len = prompt_ids.shape
@@ -780,8 +947,10 @@ class Decoder:
         hidden, cache = self._forward(model, ids, start, s.cache)
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
-        logits = self._project(model, s, read_window(hidden, first, B))  # [R, B, V]
+        raw = model.logits(read_window(hidden, first, B))  # [R, B, V]
+        logits = self._sampled(s, raw)
         token = self._choose(s, logits, s.committed[:, None] + jnp.arange(B))
+        s = self._record(s, raw, token)
         if not self.acceptance.drafts:
             ok = _confident(self.acceptance.confidence(logits, token), s.threshold)
             count, hit_eos = _count(token, ok, eos, self._budget(s))
@@ -923,12 +1092,13 @@ def _generate(
     max_accept,
     temperature,
     rng,
+    top_p=1.0,
     *,
     settings: DecoderSettings,
 ) -> DecodeResult:
     """The whole decode as one jitted program: `Decoder.decode` (arguments as its)."""
     return Decoder(graphdef, settings).decode(
-        params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, rng
+        params, prompt_ids, prompt_lengths, threshold, max_accept, temperature, rng, top_p
     )
 
 
@@ -986,7 +1156,8 @@ def generate(
       options.max_new_tokens: 0 returns empty completions (tokens [R, 0], zero counts) after
         the argument checks, without compiling or running the model.
       options.cache_mode, options.rule: module docstring.
-      options.temperature: > 0 uses the sampled token's confidence.
+      options.temperature: > 0 uses the sampled token's confidence (of the distribution
+        sampled from: after temperature and ``options.top_p``).
       eos_ids: tokens that end a row; the output is cut before the first one, even where a
         forward accepted tokens past it.
       mask_id: id of <|mask|>.
@@ -1067,6 +1238,7 @@ def generate(
         jnp.int32(options.accept_limit),
         jnp.float32(options.temperature),
         seed_keys(seeds),
+        jnp.float32(options.top_p),
         settings=settings,
     )
     out = jax.device_get(out)

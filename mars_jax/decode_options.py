@@ -101,6 +101,8 @@ class DecodeOptions:
       or one per row (a tuple, `decode.generate` only). 1.0 is greedy AR decoding exactly.
     max_new_tokens: the completion budget per row (>= 0; 0 decodes nothing).
     temperature: 0 greedy; > 0 samples each candidate from softmax(logits / temperature).
+    top_p: in (0, 1]; a sampled candidate is drawn from the smallest set of the most likely
+      tokens whose probabilities sum to >= top_p (nucleus sampling; 1.0: every token).
     cache_mode: a `CacheMode` (or its name); rule: a `Rule` (or its name), or the name of a
       rule registered in `ACCEPTANCE_RULES`. ``verify``
       reproduces greedy AR decoding: it needs temperature 0 and a cache mode other than block.
@@ -112,6 +114,7 @@ class DecodeOptions:
     threshold: float | tuple[float, ...] = 1.0
     max_new_tokens: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0
     cache_mode: CacheMode = CacheMode.SLIDING
     rule: Rule | str = Rule.PROB
     max_accept_per_step: int | None = None
@@ -134,6 +137,13 @@ class DecodeOptions:
         if not temperature >= 0:  # NaN fails too
             raise OptionError("temperature", self.temperature, "must be >= 0 (0: greedy)")
         set_("temperature", temperature)
+        try:
+            top_p = float(self.top_p)
+        except (TypeError, ValueError):
+            top_p = float("nan")
+        if not 0 < top_p <= 1:
+            raise OptionError("top_p", self.top_p, "must lie in (0, 1] (1: every token)")
+        set_("top_p", top_p)
         set_("cache_mode", _enum(CacheMode, "cache_mode", self.cache_mode))
         set_("rule", _rule(self.rule))
         if self.max_accept_per_step is not None:

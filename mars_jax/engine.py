@@ -8,18 +8,21 @@ decode steps for all slots, free the slot) over the engine API of `mars_jax.deco
 which owns every device update; the engine keeps only slot ids, queues, host counts and numpy
 arrays, and never imports jax:
 
-- ``prefill``: the request alone, with its settings (threshold, temperature, seed as in
-  `decode.generate`), its prompt in chunks of ``prefill_chunk`` tokens (`Decoder.begin`, then
-  one `Decoder.prefill_chunk` forward per chunk), one chunk per host turn: a long prompt
-  delays the decoding slots by one chunk's forward per turn, not by its whole prefill.
-- ``insert``: `Decoder.insert` writes that one-row `DecodeState` into row ``slot`` of the batch
-  state (its KV cache rows, tokens, cursors and settings), the batch state donated.
+- ``prefill``: the requests admitted in one turn together, each row with its own settings
+  (threshold, temperature, top_p, seed as in `decode.generate`): `Decoder.begin`, then one
+  `Decoder.prefill_chunk` forward per chunk, one chunk per host turn, so a long prompt delays
+  the decoding slots by one chunk's forward per turn, not by its whole prefill. A group is
+  padded to a power-of-two number of rows and its chunks to a power-of-two width fitted to its
+  longest prompt (at most ``prefill_chunk``): a few compiled shapes, and no 256-token forward
+  for a 40-token prompt.
+- ``insert``: `Decoder.insert` writes the group's rows into their slots of the batch state (KV
+  cache rows, tokens, cursors and settings) in one update, the batch state donated.
 - ``steps``: `Decoder.steps`, a few forwards of every slot per device call. A slot that is empty,
   finished or still prefilling is carried unchanged.
 - ``free``: `Decoder.free` marks the rows of finished or cancelled requests done.
 
-`Engine.run_once` is one turn of the host loop: reserve free slots for waiting requests, run one
-prefill chunk of each, insert those whose prompt is done, run the steps, read back each slot's
+`Engine.run_once` is one turn of the host loop: reserve free slots for waiting requests (one
+group), run one prefill chunk of each group, insert the groups whose prompts are done, run the steps, read back each slot's
 tokens committed since the last turn (`Decoder.read_new_tokens`: those tokens alone, not the
 token buffer) and hand them to its request (`Stream`), and free the slots of finished or
 cancelled requests. `Engine.start` runs it in a thread. A request decodes exactly
@@ -48,13 +51,17 @@ from mars_jax.model import Qwen2
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One completion request: prompt token ids, a budget of new tokens, and its settings."""
+    """One completion request: prompt token ids, a budget of new tokens, and its settings;
+    ``logprobs`` (None: none) asks for each token's log-probability and that many most likely
+    alternatives (at most the engine's ``logprobs``)."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
     threshold: float = 1.0
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -62,7 +69,9 @@ class Update:
     """What a request received in one turn: ``tokens`` committed since the last update (EOS
     left out), ``done`` with ``finish_reason`` ("stop": an EOS; "length": the budget;
     "cancelled"; "error": a failed device call, ``error`` saying which), and the request's
-    counts so far."""
+    counts so far. With the request's ``logprobs``: ``logprobs`` [float] of ``tokens`` under
+    the model (`decode.DecodeState.logprobs`) and ``top_logprobs`` [[(id, logprob)]], each
+    token's most likely alternatives."""
 
     tokens: list[int]
     done: bool = False
@@ -70,6 +79,8 @@ class Update:
     completion_tokens: int = 0
     forwards: int = 0
     error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class EngineFailed(Exception):
@@ -115,11 +126,28 @@ class Stream:
 
 @dataclasses.dataclass
 class _Prefill:
-    """A request being prefilled: its one-row state and the prompt tokens written so far."""
+    """Requests admitted in one turn, prefilled together: their state (one row each, plus
+    padding rows, ``streams`` None there), the slots they go to, the width of each prefill
+    forward and the prompt tokens written so far."""
 
-    stream: Stream
+    streams: list[Stream | None]
+    slots: list[int]
     state: DecodeState
+    width: int
     done: int = 0
+
+    @property
+    def longest(self) -> int:
+        return max(len(s.request.prompt_ids) for s in self.streams if s is not None)
+
+
+def bucket(n: int, largest: int, smallest: int = 1) -> int:
+    """The compiled size that holds ``n``: the least power of two >= n (and >= ``smallest``),
+    capped at ``largest``."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return min(size, largest)
 
 
 def _refused(field: str, value, reason: str) -> OptionError:
@@ -149,6 +177,8 @@ class Engine:
       refill: admit a waiting request as soon as a slot frees (continuous batching); False
         admits only into an empty batch (static batching: the baseline of the load benchmark).
       max_failures: failed turns in a row after which the engine gives up (see `start`).
+      logprobs: the most alternatives per token a request may ask for (None: the engine
+        records no log-probabilities; 0: only the tokens' own).
     """
 
     def __init__(
@@ -166,6 +196,7 @@ class Engine:
         sampling: bool = True,
         refill: bool = True,
         max_failures: int = 3,
+        logprobs: int | None = None,
         mesh=None,
         axis_rules: Any = None,
     ):
@@ -189,6 +220,7 @@ class Engine:
                 sampling=sampling,
                 mesh=mesh,
                 axis_rules=axis_rules,
+                logprobs=logprobs,
             ),
         )
         self.slots, self.max_prompt_len = slots, max_prompt_len
@@ -204,7 +236,7 @@ class Engine:
         self._read_width = steps_per_call * block_size  # the most tokens a row gets per turn
         self.state = self._empty()
         self._streams: list[Stream | None] = [None] * slots  # decoding
-        self._prefills: dict[int, _Prefill] = {}  # slot -> a request being prefilled into it
+        self._prefills: list[_Prefill] = []  # groups of requests being prefilled
         self._sent = [0] * slots  # tokens handed to each slot's stream
         self._waiting: collections.deque[Stream] = collections.deque()
         self._lock = threading.Lock()
@@ -239,9 +271,15 @@ class Engine:
             reason = f"the prompt ({n}) and max_tokens exceed the model's context of {self.context}"
             raise _refused("max_tokens", request.max_tokens, reason)
         try:
-            self.options.replace(threshold=request.threshold, temperature=request.temperature)
+            self.options.replace(
+                threshold=request.threshold, temperature=request.temperature, top_p=request.top_p
+            )
         except OptionError as e:
             raise _refused(e.field, e.value, e.reason) from None
+        most = self.decoder.settings.logprobs
+        if request.logprobs is not None and (most is None or not 0 <= request.logprobs <= most):
+            reason = "this engine records none" if most is None else f"it takes 0 to {most}"
+            raise _refused("logprobs", request.logprobs, reason)
         if request.temperature > 0 and not self.decoder.settings.sampling:
             raise _refused("temperature", request.temperature, "this engine decodes greedily")
         if not 0 <= request.seed < 2**32:
@@ -272,7 +310,10 @@ class Engine:
     @property
     def prefilling(self) -> int:
         """Slots whose request's prompt is still being prefilled."""
-        return len(self._prefills)
+        return sum(s is not None for p in self._prefills for s in p.streams)
+
+    def _reserved(self) -> set[int]:
+        return {slot for p in self._prefills for slot in p.slots}
 
     # -- the host loop ---------------------------------------------------------------------------
     def _empty(self) -> DecodeState:
@@ -293,47 +334,72 @@ class Engine:
             np.int32(self.decoder.settings.block_size),
             np.asarray([q.temperature for q in requests], np.float32),
             seed_keys([q.seed for q in requests]),
+            np.asarray([q.top_p for q in requests], np.float32),
+            np.asarray([q.logprobs is not None for q in requests]),
         )
 
     def _admit(self) -> None:
+        """Takes waiting requests into the free slots: those admitted in one turn are one
+        prefill group, padded to a power-of-two number of rows (at most ``slots``) and
+        prefilled at a power-of-two width (16 tokens at least, ``prefill_chunk`` at most)
+        fitted to their longest prompt, so that a few compiled shapes serve every group."""
         if not self.refill and (self.active or self._prefills):
             return
-        for slot in range(self.slots):
-            if self._streams[slot] is not None or slot in self._prefills:
-                continue
-            with self._lock:
-                stream = None
-                while self._waiting and stream is None:
-                    stream = self._waiting.popleft()
-                    if stream.cancelled.is_set():
-                        stream.put(Update([], True, "cancelled"))
-                        stream = None
-            if stream is None:
-                return
-            self._prefills[slot] = _Prefill(stream, self._begin([stream.request]))
+        reserved = self._reserved()
+        free = [
+            slot
+            for slot in range(self.slots)
+            if self._streams[slot] is None and slot not in reserved
+        ]
+        streams = []
+        with self._lock:
+            while self._waiting and len(streams) < len(free):
+                stream = self._waiting.popleft()
+                if stream.cancelled.is_set():
+                    stream.put(Update([], True, "cancelled"))
+                else:
+                    streams.append(stream)
+        if not streams:
+            return
+        rows = bucket(len(streams), self.slots)
+        padded = streams + [None] * (rows - len(streams))
+        empty = Request((self.pad_id,), 1)
+        state = self._begin([empty if s is None else s.request for s in padded])
+        longest = max(len(s.request.prompt_ids) for s in streams)
+        width = bucket(longest, self.prefill_chunk, min(16, self.prefill_chunk))
+        self._prefills.append(_Prefill(padded, free[: len(streams)], state, width))
 
     def _prefill_chunks(self) -> None:
-        """One chunk of every prompt being prefilled; a finished prompt goes into its slot."""
-        c = self.prefill_chunk
-        for slot, p in list(self._prefills.items()):
-            if p.stream.cancelled.is_set():
-                del self._prefills[slot]
-                p.stream.put(Update([], True, "cancelled"))
+        """One chunk of every group being prefilled; a group whose prompts are done goes into
+        its slots (one `Decoder.insert`)."""
+        for p in list(self._prefills):
+            for i, stream in enumerate(p.streams):
+                if stream is not None and stream.cancelled.is_set():
+                    p.streams[i] = None
+                    stream.put(Update([], True, "cancelled"))
+            if all(s is None for s in p.streams):
+                self._prefills.remove(p)
                 continue
             if p.state.cache is None:  # cache_mode "none": each forward reads the prompt
-                p.done = len(p.stream.request.prompt_ids)
+                p.done = p.longest
             else:
-                chunk = np.full((1, c), self.pad_id, np.int32)
-                piece = p.stream.request.prompt_ids[p.done : p.done + c]
-                chunk[0, : len(piece)] = piece
-                p.state = self.decoder.prefill_chunk(
-                    self.params, p.state, chunk, np.asarray([p.done], np.int32)
-                )
-                p.done += c
-            if p.done >= len(p.stream.request.prompt_ids):
-                del self._prefills[slot]
-                self.state = self.decoder.insert(self.state, p.state, np.int32(slot))
-                self._streams[slot], self._sent[slot] = p.stream, 0
+                chunk = np.full((len(p.streams), p.width), self.pad_id, np.int32)
+                for r, stream in enumerate(p.streams):
+                    if stream is not None:
+                        piece = stream.request.prompt_ids[p.done : p.done + p.width]
+                        chunk[r, : len(piece)] = piece
+                start = np.full((len(p.streams),), p.done, np.int32)
+                p.state = self.decoder.prefill_chunk(self.params, p.state, chunk, start)
+                p.done += p.width
+            if p.done >= p.longest:
+                self._prefills.remove(p)
+                # Row r goes to its slot; padding rows and cancelled ones nowhere (dropped).
+                slots = np.full((len(p.streams),), self.slots, np.int32)
+                for r, (stream, slot) in enumerate(zip(p.streams, p.slots)):
+                    if stream is not None:
+                        slots[r] = slot
+                        self._streams[slot], self._sent[slot] = stream, 0
+                self.state = self.decoder.insert(self.state, p.state, slots)
 
     def run_once(self) -> bool:
         """One turn: admit, one prefill chunk per new request, decode ``steps_per_call``
@@ -366,6 +432,8 @@ class Engine:
             update = Update(
                 fresh, reason is not None, reason, self._sent[slot], int(new.row_forwards[slot])
             )
+            if stream.request.logprobs is not None:
+                self._add_logprobs(update, new, slot, stream.request.logprobs)
             if fresh or update.done:
                 stream.put(update)
             if update.done:
@@ -373,6 +441,13 @@ class Engine:
         self.state = self.decoder.free(self.state, free)
         self.healthy, self._failed_in_a_row = True, 0  # a decoding turn went through
         return self.active > 0 or bool(self._waiting or self._prefills)
+
+    @staticmethod
+    def _add_logprobs(update: Update, new, slot: int, k: int) -> None:
+        n = len(update.tokens)
+        update.logprobs = new.logprobs[slot, :n].tolist()
+        ids, lps = new.top_ids[slot, :n, :k].tolist(), new.top_logprobs[slot, :n, :k].tolist()
+        update.top_logprobs = [list(zip(i, lp)) for i, lp in zip(ids, lps)]
 
     def start(self) -> None:
         """Runs the host loop in a daemon thread until `stop`.
@@ -420,7 +495,7 @@ class Engine:
             exc_info=error,
         )
         message = f"decoding failed on the device: {self.last_error}"
-        in_flight = [*self._streams, *(p.stream for p in self._prefills.values())]
+        in_flight = [*self._streams, *(s for p in self._prefills for s in p.streams)]
         self._streams, self._sent = [None] * self.slots, [0] * self.slots
         self._prefills.clear()
         if self._failed_in_a_row < self.max_failures:
@@ -449,7 +524,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        prefilling = [p.stream for p in self._prefills.values()]
+        prefilling = [s for p in self._prefills for s in p.streams]
         for stream in [*self._streams, *prefilling, *self._waiting]:
             if stream is not None:
                 stream.put(Update([], True, "cancelled"))

@@ -4,7 +4,7 @@ Requests (`CompletionRequest` for ``/v1/completions``, `ChatCompletionRequest` f
 ``/v1/chat/completions``) are read from the raw body by `parse_request`, in pydantic's strict
 mode: a boolean is not a number, a float is not an integer, a number is not a string. An
 unknown field is refused. Fields of OpenAI's API that the server does not implement
-(`UNSUPPORTED`: ``n``, ``top_p``, ``logprobs``, ...) are accepted only at their neutral value
+(`UNSUPPORTED`: ``best_of``, ``echo``, ``logit_bias``, ...) are accepted only at their neutral value
 (or null), and refused at any other. ``user`` (any string) and ``stream_options`` (anything) are
 accepted and ignored.
 
@@ -38,6 +38,9 @@ from pydantic_core import PydanticCustomError
 
 MAX_STOPS = 4
 MAX_SEED = 2**32 - 1
+MAX_N = 128  # choices per request (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' ``logprobs`` (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # /v1/chat/completions' ``top_logprobs`` (OpenAI's limit)
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -128,13 +131,9 @@ def _integer(value: Any, neutral: int) -> bool:
 # The fields of OpenAI's requests this server does not implement: (accepted value, its wording).
 # null is accepted for each; any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: _integer(v, 1), "1"),
     "best_of": (lambda v: _integer(v, 1), "1"),
-    "top_p": (lambda v: _number(v, 1), "1"),
     "frequency_penalty": (lambda v: _number(v, 0), "0"),
     "presence_penalty": (lambda v: _number(v, 0), "0"),
-    "logprobs": (lambda v: v is False, "false"),
-    "top_logprobs": (lambda v: False, "null"),
     "echo": (lambda v: v is False, "false"),
     "logit_bias": (lambda v: v == {} and isinstance(v, dict), "{}"),
     "suffix": (lambda v: False, "null"),
@@ -200,6 +199,8 @@ class _Request(_Unsupported):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOPS)
     stream: bool | None = None
@@ -238,6 +239,10 @@ class _Request(_Unsupported):
     def streaming(self) -> bool:
         return bool(self.stream)
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
     def budget(self) -> tuple[int | None, str]:
         """(new tokens asked for, the field that asked): ``max_completion_tokens`` before
         ``max_tokens``; None when neither is given."""
@@ -247,9 +252,17 @@ class _Request(_Unsupported):
 
 
 class CompletionRequest(_Request):
-    """A ``/v1/completions`` request: one prompt, a non-empty string (or a list of one)."""
+    """A ``/v1/completions`` request: one prompt, a non-empty string (or a list of one);
+    ``logprobs`` k: each token's log-probability and its k most likely alternatives."""
 
     prompt: str = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    top_logprobs: None = None  # chat's field: only null (the count is ``logprobs`` here)
+
+    @property
+    def alternatives(self) -> int | None:
+        """Most likely alternatives asked for per token (None: no log-probabilities)."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -264,9 +277,24 @@ class CompletionRequest(_Request):
 
 
 class ChatCompletionRequest(_Request):
-    """A ``/v1/chat/completions`` request: a non-empty list of messages."""
+    """A ``/v1/chat/completions`` request: a non-empty list of messages; ``logprobs`` true
+    asks for each token's log-probability, with ``top_logprobs`` alternatives."""
 
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs", mode="after")
+    @classmethod
+    def _with_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("top_logprobs", "needs logprobs set to true")
+        return value
+
+    @property
+    def alternatives(self) -> int | None:
+        """Most likely alternatives asked for per token (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 REQUESTS: dict[str, type[_Request]] = {
@@ -327,9 +355,36 @@ class _Choice(BaseModel):
     finish_reason: str | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy log-probabilities of a completion: per token its text, log-probability,
+    most likely alternatives ({text: log-probability}) and offset in the completion's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """One token of a chat answer's log-probabilities, with its most likely alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class CompletionChoice(_Choice):
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Answer):
@@ -346,6 +401,7 @@ class ChatMessage(BaseModel):
 
 class ChatChoice(_Choice):
     message: ChatMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatDelta(_Body):
@@ -358,6 +414,7 @@ class ChatDelta(_Body):
 
 class ChatChunkChoice(_Choice):
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(_Answer):

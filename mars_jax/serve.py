@@ -2,7 +2,8 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
 
   python -m mars_jax.serve --workdir=runs/mars --port=8000 [--host=127.0.0.1 --slots=8
       --threshold=0.95 --max_prompt_len=1024 --max_new_tokens=512 --max_waiting=64
-      --prefill_chunk=256 --mesh=1,1,8 --temperature=0 --rule prob --max_failures=3]
+      --prefill_chunk=256 --mesh=1,1,8 --temperature=0 --top_p=1 --rule prob --max_failures=3
+      --max_logprobs=20]
 
 The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
@@ -14,13 +15,17 @@ format, read in strict mode: a boolean is not a number, a float not an integer).
 ``model`` (this server's name, or absent), ``max_tokens`` or ``max_completion_tokens`` (default
 16 for completions, the server's ``--max_new_tokens`` for chat; at most that), ``temperature``
 (in [0, 2]; default ``--temperature``, 0: greedy; MARS accepts several tokens per forward where
-it is confident), ``seed`` (0 to 2**32-1; default: a fresh one per request), ``stop`` (a string
-or a list of up to 4, none empty), ``stream`` (server-sent events, ``data: [DONE]`` last), and the extra field ``threshold`` (in (0, 1];
-default ``--threshold``; 1.0 is exactly AR decoding). ``user`` and ``stream_options`` are
-accepted and ignored; OpenAI's fields this server does not implement (``n``, ``best_of``,
-``top_p``, ``frequency_penalty``, ``presence_penalty``, ``logprobs``, ``top_logprobs``,
-``echo``, ``logit_bias``, ``suffix``, ``response_format``) are accepted only at their neutral
-values (``openai_protocol.UNSUPPORTED``) or null; any other field is refused. ``usage`` adds
+it is confident), ``top_p`` (in (0, 1]; nucleus sampling, default ``--top_p``), ``seed`` (0 to
+2**32-1; default: a fresh one per request), ``n`` (choices, 1 to 128, each in a slot of its
+own; choice i of a seed s decodes with seed s + i), ``logprobs`` (completions: 0 to 5
+alternatives; chat: true, with ``top_logprobs`` 0 to 20; at most ``--max_logprobs``: each
+returned token's log-probability under the model, in the forward that chose it), ``stop`` (a
+string or a list of up to 4, none empty), ``stream`` (server-sent events, ``data: [DONE]``
+last), and the extra field ``threshold`` (in (0, 1]; default ``--threshold``; 1.0 is exactly AR
+decoding). ``user`` and ``stream_options`` are accepted and ignored; OpenAI's fields this
+server does not implement (``best_of``, ``frequency_penalty``, ``presence_penalty``, ``echo``,
+``logit_bias``, ``suffix``, ``response_format``) are accepted only at their neutral values
+(``openai_protocol.UNSUPPORTED``) or null; any other field is refused. ``usage`` adds
 ``tokens_per_forward`` to OpenAI's token counts.
 
 Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
@@ -40,6 +45,7 @@ server stops and exits 1 for a supervisor to restart it. ``/health`` is 200 only
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -66,6 +72,31 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
     return web.json_response(body.model_dump(), status=status)
 
 
+@dataclasses.dataclass
+class Parsed:
+    """A request as the engine takes it: its prompt ids, one `engine.Request` per choice
+    (``n``), its stop strings and whether it streams."""
+
+    ids: list[int]
+    requests: list[engine.Request]
+    stops: list[str]
+    streaming: bool
+
+
+@dataclasses.dataclass
+class Piece:
+    """What one choice of a request received: its ``index``, final ``text``, ``finish_reason``
+    once it ended, its counts so far, and ``logprobs`` [(id, logprob, [(id, logprob)])] of the
+    tokens read (up to a stop string), where the request asked for them."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    tokens: int
+    forwards: int
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None
+
+
 class Server:
     """The request handling of `build_app`: parsing, prompt ids, and the text of each stream."""
 
@@ -75,13 +106,11 @@ class Server:
         self.closing = False
 
     # -- parsing ----------------------------------------------------------------------------------
-    def parse(
-        self, body: bytes | str, kind: str
-    ) -> tuple[list[int], engine.Request, list[str], bool]:
-        """(prompt ids, engine request, stop strings, streaming) of the JSON ``body`` of endpoint
-        ``kind`` ("completions" or "chat"): the wire format checked by
-        `openai_protocol.parse_request`, then what depends on this server (the model's name, the
-        prompt's length, the largest budget); `RequestError` naming the field otherwise."""
+    def parse(self, body: bytes | str, kind: str) -> Parsed:
+        """The `Parsed` request of the JSON ``body`` of endpoint ``kind`` ("completions" or
+        "chat"): the wire format checked by `openai_protocol.parse_request`, then what depends
+        on this server (the model's name, the prompt's length, the largest budget, ``n``);
+        `RequestError` naming the field otherwise."""
         req = protocol.parse_request(kind, body)
         if req.model not in (None, self.model_name):
             raise RequestError(
@@ -124,16 +153,28 @@ class Server:
             )
         else:
             max_tokens = asked
+        if req.choices > max(self.max_waiting, 1):
+            raise RequestError(
+                f"n={req.choices}: this server takes at most {self.max_waiting}", "n"
+            )
         default = self.engine.options  # the server's flags
-        request = engine.Request(
-            tuple(ids),
-            max_tokens,
+        settings = dict(
             threshold=default.threshold if req.threshold is None else req.threshold,
             temperature=default.temperature if req.temperature is None else req.temperature,
-            # No seed: a fresh one, so that identical sampled requests differ (OpenAI's way).
-            seed=secrets.randbelow(protocol.MAX_SEED + 1) if req.seed is None else req.seed,
+            top_p=default.top_p if req.top_p is None else req.top_p,
+            logprobs=req.alternatives,
         )
-        return ids, request, req.stops, req.streaming
+        # Choice i of a given seed decodes with seed + i; without one, each choice gets a fresh
+        # seed, so that identical sampled requests differ (OpenAI's way).
+        seeds = [
+            secrets.randbelow(protocol.MAX_SEED + 1) if req.seed is None else req.seed + i
+            for i in range(req.choices)
+        ]
+        requests = [
+            engine.Request(tuple(ids), max_tokens, seed=seed % (protocol.MAX_SEED + 1), **settings)
+            for seed in seeds
+        ]
+        return Parsed(ids, requests, req.stops, req.streaming)
 
     def _check_length(self, text: str, param: str) -> None:
         # Far beyond any prompt that fits (a token is rarely under 1 character): refused unread.
@@ -143,11 +184,12 @@ class Server:
             )
 
     # -- decoding ---------------------------------------------------------------------------------
-    async def decode(self, ids, request: engine.Request, stops: list[str]):
-        """Yields (text delta, finish_reason or None, usage or None) as tokens are committed:
-        one `Detokenizer` per request, so the work per update is that of its new tokens. A stop
-        string ends the request at the token that completes it (its slot freed); the counts
-        cover the tokens returned up to there, never what the same forward accepted after."""
+    async def decode(self, index: int, request: engine.Request, stops: list[str]):
+        """Yields the `Piece`s of choice ``index`` as its tokens are committed: one
+        `Detokenizer` per choice, so the work per update is that of its new tokens. A stop
+        string ends the choice at the token that completes it (its slot freed); the counts and
+        log-probabilities cover the tokens returned up to there, never what the same forward
+        accepted after. A failed or cancelled request raises `RequestError` (500, 503)."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         stream = self.engine.submit(
@@ -161,26 +203,96 @@ class Server:
                     raise RequestError(update.error or "decoding failed", None, 500)
                 if update.finish_reason == "cancelled":  # the engine stopped: shutting down
                     raise RequestError("the server shut down before the request ended", None, 503)
+                before = text.tokens
                 delta = text.add(update.tokens)
                 reason = text.finish_reason
                 if reason is None and update.done:
                     delta += text.finish()
                     reason = "length" if update.finish_reason == "length" else "stop"
-                usage = None
+                logprobs = None
+                if update.logprobs is not None:
+                    read = text.tokens - before  # the tokens up to a stop string
+                    logprobs = list(zip(update.tokens, update.logprobs, update.top_logprobs))[:read]
                 if reason is not None:
                     stream.cancel()
-                    usage = {
-                        "prompt_tokens": len(ids),
-                        "completion_tokens": text.tokens,
-                        "total_tokens": len(ids) + text.tokens,
-                        "tokens_per_forward": text.tokens / max(update.forwards, 1),
-                    }
-                if delta or reason is not None:
-                    yield delta, reason, usage
+                if delta or reason is not None or logprobs:
+                    yield Piece(index, delta, reason, text.tokens, update.forwards, logprobs)
                 if reason is not None:
                     return
         finally:
             stream.cancel()  # the client went away, or the request ended: free the slot
+
+    async def choices(self, parsed: Parsed):
+        """Yields the `Piece`s of every choice of ``parsed`` as they come (each choice decoded
+        in a slot of its own); the first `RequestError` of any choice is raised, and leaving
+        early (a client gone) cancels them all."""
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, request):
+            try:
+                async for piece in self.decode(index, request, parsed.stops):
+                    await pieces.put(piece)
+            except RequestError as e:
+                await pieces.put(e)
+            finally:
+                await pieces.put(None)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(parsed.requests)]
+        try:
+            running = len(tasks)
+            while running:
+                piece = await pieces.get()
+                if piece is None:
+                    running -= 1
+                elif isinstance(piece, RequestError):
+                    raise piece
+                else:
+                    yield piece
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def logprobs(self, kind: str, entries, offset: int = 0):
+        """The log-probabilities of ``entries`` (`Piece.logprobs`) in endpoint ``kind``'s shape
+        (``offset``: the completion's characters before them)."""
+        text = lambda t: self.tok.token_bytes(t).decode("utf-8", errors="replace")
+        if kind == "chat":
+
+            def top(t, lp):
+                data = self.tok.token_bytes(t)
+                return dict(
+                    token=data.decode("utf-8", errors="replace"), logprob=lp, bytes=list(data)
+                )
+
+            content = [
+                protocol.TokenLogprob(**top(t, lp), top_logprobs=[top(a, v) for a, v in alts])
+                for t, lp, alts in entries
+            ]
+            return protocol.ChatLogprobs(content=content)
+        tokens = [text(t) for t, _, _ in entries]
+        offsets = []
+        for piece in tokens:
+            offsets.append(offset)
+            offset += len(piece)
+        return protocol.CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp for _, lp, _ in entries],
+            top_logprobs=[{text(a): v for a, v in alts} for _, _, alts in entries],
+            text_offset=offsets,
+        )
+
+
+def usage(ids, tokens: Sequence[int], forwards: Sequence[int]) -> dict:
+    """OpenAI's counts of a request whose choices returned ``tokens`` in ``forwards`` (the
+    prompt counted once), and the tokens per forward of its rows."""
+    total = sum(tokens)
+    return {
+        "prompt_tokens": len(ids),
+        "completion_tokens": total,
+        "total_tokens": len(ids) + total,
+        "tokens_per_forward": total / max(sum(forwards), 1),
+    }
 
 
 def build_app(server: Server) -> web.Application:
@@ -220,15 +332,19 @@ def build_app(server: Server) -> web.Application:
             if server.closing:
                 return error_response("the server is shutting down", 503)
             try:
-                ids, req, stops, streaming = server.parse(await request.read(), kind)
+                parsed = server.parse(await request.read(), kind)
                 try:
-                    server.engine.check(req)
+                    for req in parsed.requests:
+                        server.engine.check(req)
                 except InputError as e:
-                    field = getattr(e, "field", None)
+                    field, message = getattr(e, "field", None), str(e)
                     if field == "prompt" and kind == "chat":
                         field = "messages"
-                    raise RequestError(str(e), field) from None
-                if server.engine.waiting >= server.max_waiting:
+                    elif field == "logprobs" and kind == "chat":  # chat counts in top_logprobs
+                        field = "top_logprobs" if e.value else "logprobs"
+                        message = f"{field}: {e.value}; {e.reason}"
+                    raise RequestError(message, field) from None
+                if server.engine.waiting + len(parsed.requests) > server.max_waiting:
                     raise RequestError(
                         "the server is busy: too many requests wait for a slot", None, 429
                     )
@@ -236,16 +352,28 @@ def build_app(server: Server) -> web.Application:
                     raise RequestError(
                         f"the decoding engine failed: {server.engine.last_error}", None, 503
                     )
-                chunks = server.decode(ids, req, stops)
+                pieces = server.choices(parsed)
                 try:
-                    if streaming:
-                        return await _stream(request, kind, server, chunks)
-                    text, reason, usage = "", None, None
-                    async for delta, reason, usage in chunks:
-                        text += delta
+                    if parsed.streaming:
+                        return await _stream(request, kind, server, parsed, pieces)
+                    answer = _Answer(len(parsed.requests))
+                    async for piece in pieces:
+                        answer.add(piece)
                 finally:
-                    await chunks.aclose()  # a client gone mid-request frees its slot
-                return web.json_response(_body(kind, server.model_name, text, reason, usage))
+                    await pieces.aclose()  # a client gone mid-request frees its slots
+                choices = [
+                    dict(
+                        index=i,
+                        text=answer.text[i],
+                        finish_reason=answer.reasons[i],
+                        logprobs=None
+                        if parsed.requests[i].logprobs is None
+                        else server.logprobs(kind, answer.logprobs[i]),
+                    )
+                    for i in range(len(parsed.requests))
+                ]
+                body = _body(kind, server.model_name, _rid(kind), choices, answer.usage(parsed.ids))
+                return web.json_response(body)
             except RequestError as e:
                 return error_response(str(e), e.status, e.param)
             except InputError as e:  # e.g. a prompt with a token a trimmed run lacks
@@ -260,11 +388,39 @@ def build_app(server: Server) -> web.Application:
     return app
 
 
-def _body(kind, model, text, reason, usage, *, delta=False, first=False) -> dict:
-    """The JSON body of an answer of endpoint ``kind``, or with ``delta`` of one streamed chunk
-    (``first``: the chunk that names the role); ``usage`` (a dict or `openai_protocol.Usage`)
-    only where the request has ended."""
-    rid = ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+class _Answer:
+    """The choices of one request as their `Piece`s come: text, finish reasons, counts and
+    log-probabilities per choice."""
+
+    def __init__(self, n: int):
+        self.text, self.reasons = [""] * n, [None] * n
+        self.tokens, self.forwards = [0] * n, [0] * n
+        self.logprobs: list[list] = [[] for _ in range(n)]
+
+    def add(self, piece: Piece) -> None:
+        i = piece.index
+        self.text[i] += piece.text
+        self.reasons[i] = piece.finish_reason
+        self.tokens[i], self.forwards[i] = piece.tokens, piece.forwards
+        self.logprobs[i] += piece.logprobs or []
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def usage(self, ids) -> dict:
+        return usage(ids, self.tokens, self.forwards)
+
+
+def _rid(kind: str) -> str:
+    return ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+
+
+def _body(kind, model, rid, choices: list[dict], usage, *, delta=False) -> dict:
+    """The JSON body of an answer of endpoint ``kind`` (id ``rid``), or with ``delta`` of one
+    streamed chunk; each choice a dict of index, text, finish_reason, logprobs (an
+    `openai_protocol` log-probabilities model or None) and, in a chat chunk, ``first`` (the
+    chunk that names the role); ``usage`` (a dict) only where the request has ended."""
     common = {
         "id": rid,
         "created": int(time.time()),
@@ -272,30 +428,66 @@ def _body(kind, model, text, reason, usage, *, delta=False, first=False) -> dict
         "usage": None if usage is None else protocol.Usage.model_validate(usage),
     }
     if kind == "completions":
-        choice = protocol.CompletionChoice(text=text, finish_reason=reason)
-        body = protocol.Completion(choices=[choice], **common)
+        choice = [protocol.CompletionChoice(**{k: c[k] for k in _CHOICE}) for c in choices]
+        body = protocol.Completion(choices=choice, **common)
     elif delta:
-        content = protocol.ChatDelta(role="assistant" if first else None, content=text)
-        choice = protocol.ChatChunkChoice(delta=content, finish_reason=reason)
-        body = protocol.ChatCompletionChunk(choices=[choice], **common)
+        choice = [
+            protocol.ChatChunkChoice(
+                index=c["index"],
+                delta=protocol.ChatDelta(
+                    role="assistant" if c.get("first") else None, content=c["text"]
+                ),
+                finish_reason=c["finish_reason"],
+                logprobs=c["logprobs"],
+            )
+            for c in choices
+        ]
+        body = protocol.ChatCompletionChunk(choices=choice, **common)
     else:
-        message = protocol.ChatMessage(content=text)
-        choice = protocol.ChatChoice(message=message, finish_reason=reason)
-        body = protocol.ChatCompletion(choices=[choice], **common)
+        choice = [
+            protocol.ChatChoice(
+                index=c["index"],
+                message=protocol.ChatMessage(content=c["text"]),
+                finish_reason=c["finish_reason"],
+                logprobs=c["logprobs"],
+            )
+            for c in choices
+        ]
+        body = protocol.ChatCompletion(choices=choice, **common)
     return body.model_dump()
 
 
-async def _stream(request, kind, server, chunks) -> web.StreamResponse:
+_CHOICE = ("index", "text", "finish_reason", "logprobs")
+
+
+async def _stream(request, kind, server, parsed: Parsed, pieces) -> web.StreamResponse:
+    """Server-sent events: one chunk per `Piece` (its choice's index), ``usage`` in the chunk
+    that ends the last choice, an error as the last event, then ``data: [DONE]``."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    first = True
+    rid, answer = _rid(kind), _Answer(len(parsed.requests))
+    started, offsets = set(), [0] * len(parsed.requests)
     try:
         try:
-            async for delta, reason, usage in chunks:
-                body = _body(kind, server.model_name, delta, reason, usage, delta=True, first=first)
-                first = False
+            async for piece in pieces:
+                answer.add(piece)
+                i = piece.index
+                logprobs = None
+                if parsed.requests[i].logprobs is not None:
+                    logprobs = server.logprobs(kind, piece.logprobs or [], offsets[i])
+                    offsets[i] += sum(len(t) for t in getattr(logprobs, "tokens", []))
+                choice = dict(
+                    index=i,
+                    text=piece.text,
+                    finish_reason=piece.finish_reason,
+                    logprobs=logprobs,
+                    first=i not in started,
+                )
+                started.add(i)
+                usage = answer.usage(parsed.ids) if answer.done else None
+                body = _body(kind, server.model_name, rid, [choice], usage, delta=True)
                 await response.write(f"data: {json.dumps(body)}\n\n".encode())
         except RequestError as e:  # the status line is sent: the error is the last event
             await response.write(f"data: {e.body().model_dump_json()}\n\n".encode())
@@ -361,10 +553,12 @@ def make_server(
     axis_rules=None,
     model_name: str | None = None,
     max_failures: int = 3,
+    max_logprobs: int | None = protocol.MAX_TOP_LOGPROBS,
 ) -> Server:
     """The `Server` of the model ``opened`` (`sources.open`, on ``mesh`` if given), its engine
     started: ``options`` are the requests' defaults, ``options.max_new_tokens`` the largest
-    budget a request may ask for."""
+    budget a request may ask for, ``max_logprobs`` the most alternatives per token (None: no
+    log-probabilities)."""
     eng = engine.Engine(
         opened.model,
         options,
@@ -374,6 +568,7 @@ def make_server(
         steps_per_call=steps_per_call,
         prefill_chunk=prefill_chunk,
         max_failures=max_failures,
+        logprobs=max_logprobs,
         mesh=mesh,
         axis_rules=axis_rules,
     )
@@ -406,6 +601,9 @@ def main() -> None:
     max_failures = flags.DEFINE_integer(
         "max_failures", 3, "Failed device calls in a row after which the server exits 1."
     )
+    max_logprobs = flags.DEFINE_integer(
+        "max_logprobs", protocol.MAX_TOP_LOGPROBS, "Most top_logprobs a request may ask for."
+    )
 
     def run():
         shape = None if mesh_sizes.value is None else [int(n) for n in mesh_sizes.value]
@@ -423,6 +621,7 @@ def main() -> None:
             axis_rules=rules,
             model_name=name.value,
             max_failures=max_failures.value,
+            max_logprobs=max_logprobs.value,
         )
         app = build_app(server)
         # The engine gave up (engine.Engine.start): shut down as on SIGTERM, then exit 1.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -216,6 +217,16 @@ class Tokenizer:
         """The text of id ``token_id`` (an added token's content), or None outside the ids."""
         return self._tok.id_to_token(int(token_id))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of id ``token_id``'s text (what OpenAI's log-probabilities call a token's
+        ``bytes``): a byte-level BPE piece mapped back to its bytes, so a piece that holds part
+        of a character gives that part; any other token its decoded text in UTF-8."""
+        piece = self._tok.id_to_token(self.backend_ids([token_id])[0])
+        table = _unicode_to_byte()
+        if piece is not None and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def __len__(self) -> int:
         """Return the number of ids, added tokens included (151666 for Qwen2.5 + ``<|mask|>``)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -397,6 +408,11 @@ def _byte_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in _byte_to_unicode().items()}
 
 
 def _bpe_model(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tokenizers.Tokenizer:

@@ -205,6 +205,10 @@ class MappedTokenizer:
         """Model ids ``ids`` as the backend's (Qwen2.5) ids."""
         return self.vocab.to_qwen(list(ids)).tolist()
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of model id ``token_id`` (see `Tokenizer.token_bytes`)."""
+        return self.qwen.token_bytes(self.backend_ids([token_id])[0])
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """The text of model ids ``ids`` (see `Tokenizer.decode`)."""
         return self.qwen.decode(self.vocab.to_qwen(list(ids)), skip_special_tokens)

@@ -19,7 +19,15 @@ from mars_jax import engine
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
-from tests.decode_oracles import CFG, make_batch, make_model, qwen_engine, qwen_generate
+from tests.decode_oracles import (
+    CFG,
+    Uncached,
+    make_batch,
+    make_model,
+    qwen_engine,
+    qwen_generate,
+    reference_mars,
+)
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 3, 12, 16
 
@@ -42,16 +50,21 @@ def eng(model):
 
 
 def alone(model, request: engine.Request) -> list[int]:
-    """The oracle: `decode.generate` of the request's prompt alone."""
+    """The oracle: `decode.generate` of the request's prompt alone (padded to a fixed width:
+    one compile per setting, and no effect on the tokens)."""
+    n = len(request.prompt_ids)
+    ids = np.zeros((1, max(n, WIDTH)), np.int32)
+    ids[0, :n] = request.prompt_ids
     out = qwen_generate(
         model,
-        np.asarray([request.prompt_ids], np.int32),
-        np.asarray([len(request.prompt_ids)], np.int32),
+        ids,
+        np.asarray([n], np.int32),
         block_size=B,
         threshold=request.threshold,
         max_new_tokens=request.max_tokens,
         temperature=request.temperature,
         seed=request.seed,
+        top_p=request.top_p,
     )
     return out.tokens[0, : out.lengths[0]].tolist()
 
@@ -368,3 +381,151 @@ def test_an_engine_that_keeps_failing_gives_up(model):
             eng.submit(requests(1)[0])
     finally:
         eng.stop()
+
+
+def log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_top_p_and_logprobs_per_request_decode_as_alone(model):
+    """A batch that mixes top_p, temperatures, thresholds and log-probability requests: each
+    completion equals its prompt decoded alone (`decode.generate` with its top_p). The
+    log-probabilities are the model's, checked against the uncached reference: greedy requests
+    against `reference_mars`'s forwards (the tokens each forward accepted, from the mask
+    positions at threshold < 1), every sampled token inside its top_p nucleus of the AR
+    distribution, and the alternatives the most likely tokens, in order."""
+    # Spread-out distributions (the top tokens 0.25, 0.21, 0.21, 0.05 at the first position):
+    # top_p cuts, and MARS at 0.5 still accepts several tokens per forward.
+    soft = make_model(60.0, seed=2)
+    eng = qwen_engine(
+        soft,
+        slots=3,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=2,
+        logprobs=3,
+    )
+    prompts = [r.prompt_ids for r in requests(7, seed=31)]
+    settings = [  # threshold, temperature, top_p, logprobs
+        (1.0, 0.0, 1.0, 3),
+        (0.5, 0.0, 1.0, 2),
+        (1.0, 1.0, 0.3, 0),
+        (0.9, 1.0, 0.6, None),
+        (1.0, 1.0, 1.0, None),
+        (1.0, 0.8, 0.9, 1),
+        (0.7, 0.8, 0.9, None),
+    ]
+    reqs = [
+        engine.Request(p, MAX_NEW, threshold=t, temperature=c, seed=7 + i, top_p=q, logprobs=k)
+        for i, (p, (t, c, q, k)) in enumerate(zip(prompts, settings))
+    ]
+    updates = {i: [] for i in range(len(reqs))}
+    for i, r in enumerate(reqs):
+        eng.submit(r, on_update=updates[i].append)
+    while eng.run_once():
+        pass
+    fwd = Uncached(soft, WIDTH + MAX_NEW + B)
+    for i, request in enumerate(reqs):
+        tokens = sum((u.tokens for u in updates[i]), [])
+        assert tokens == alone(soft, request), request
+        if request.logprobs is None:
+            assert all(u.logprobs is None for u in updates[i])
+            continue
+        logprobs = sum((u.logprobs for u in updates[i]), [])
+        top = sum((u.top_logprobs for u in updates[i]), [])
+        assert len(logprobs) == len(top) == len(tokens)
+        seq = list(request.prompt_ids)
+        if request.temperature == 0:  # the forwards that accepted each token, uncached
+            _, _, _, steps = reference_mars(
+                fwd, seq, block_size=B, threshold=request.threshold, max_new=MAX_NEW
+            )
+            expected = []
+            for step in steps:
+                masks = [engine_mask()] * (B - 1)
+                lp = log_softmax(fwd.logits(seq + masks, len(seq) - 1, B))
+                expected += [lp[j] for j in range(len(step))]
+                seq += step
+        else:  # sampled at threshold 1.0: one token per forward, from the AR distribution
+            expected = []
+            for t in tokens:
+                expected.append(log_softmax(fwd.logits(seq, len(seq) - 1, 1))[0])
+                seq.append(t)
+            for t, lp in zip(tokens, expected):  # inside the nucleus of its temperature
+                p = np.exp(log_softmax(lp / request.temperature))
+                assert p[p > p[t]].sum() < request.top_p, (t, request)
+        for t, got, alts, lp in zip(tokens, logprobs, top, expected):
+            np.testing.assert_allclose(got, lp[t], atol=2e-4)
+            assert [a for a, _ in alts] == np.argsort(-lp, kind="stable")[
+                : request.logprobs
+            ].tolist()
+            np.testing.assert_allclose(
+                [v for _, v in alts], np.sort(lp)[::-1][: len(alts)], atol=2e-4
+            )
+    with pytest.raises(InputError, match="^logprobs: 4; it takes 0 to 3"):
+        eng.submit(engine.Request((1, 2), 4, logprobs=4))
+    with pytest.raises(InputError, match="^top_p: 0.0; must lie in"):
+        eng.submit(engine.Request((1, 2), 4, top_p=0.0))
+
+
+def engine_mask() -> int:
+    from tests.decode_oracles import MASK_ID
+
+    return MASK_ID
+
+
+class RecordingDecoder:
+    """A `Decoder` that records the shape of every prefill forward and insert."""
+
+    def __init__(self, decoder):
+        self.decoder, self.prefills, self.inserts = decoder, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+    def prefill_chunk(self, params, state, ids, start):
+        self.prefills.append((ids.shape, int(start[0])))
+        return self.decoder.prefill_chunk(params, state, ids, start)
+
+    def insert(self, state, group, slots):
+        self.inserts.append(np.asarray(slots).tolist())
+        return self.decoder.insert(state, group, slots)
+
+
+def test_requests_admitted_together_are_prefilled_in_one_forward(model):
+    """Three requests arriving together: one prefill forward of 4 rows (a power of two, the
+    fourth padding) at 16 tokens (fitted to prompts of at most 12, not the 40-token chunk),
+    then one insert into their slots (the padding row dropped); a 30-token prompt arriving
+    alone: one row at 32, into the first free slot; a 70-token one: chunks of 40. Each completion equals its prompt
+    decoded alone."""
+    eng = qwen_engine(
+        model,
+        slots=4,
+        max_prompt_len=80,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=2,
+        prefill_chunk=40,
+    )
+    rec = eng.decoder = RecordingDecoder(eng.decoder)
+    first = requests(3, seed=41)
+    streams = [eng.submit(r) for r in first]
+    eng.run_once()
+    assert rec.prefills == [((4, 16), 0)] and rec.inserts == [[0, 1, 2, 4]]
+    later = [
+        engine.Request(tuple(range(100, 130)), 6, threshold=0.9),
+        engine.Request(tuple(range(200, 270)), 6, threshold=0.9),
+    ]
+    streams.append(eng.submit(later[0]))
+    free = min(i for i, s in enumerate(eng._streams) if s is None)
+    eng.run_once()
+    assert rec.prefills[1:] == [((1, 32), 0)] and rec.inserts[1:] == [[free]]
+    while eng.run_once():
+        pass
+    streams.append(eng.submit(later[1]))
+    while eng.run_once():
+        pass
+    assert rec.prefills[2:] == [((1, 40), 0), ((1, 40), 40)]
+    for request, stream in zip(first + later, streams):
+        assert stream.result(timeout=1)[0] == alone(model, request), request

@@ -105,18 +105,46 @@ def test_an_unknown_field_is_refused_by_its_location(kind, body, param):
 
 # (field, neutral values, other values): each neutral value accepted, each other one refused.
 UNSUPPORTED = [
-    ("n", [1], [2, 0, True, 1.0, "1"]),
     ("best_of", [1], [2, True, 1.5]),
-    ("top_p", [1, 1.0], [0.9, 0, True, "1"]),
     ("frequency_penalty", [0, 0.0], [0.5, -1, False]),
     ("presence_penalty", [0, 0.0], [1.0, False]),
-    ("logprobs", [False], [True, 5, 0]),
-    ("top_logprobs", [], [0, 3]),
     ("echo", [False], [True, 0]),
     ("logit_bias", [{}], [{"50256": -100}, [], 0]),
     ("suffix", [], ["", "end"]),
     ("response_format", [{"type": "text"}], [{"type": "json_object"}, "text", {}]),
 ]
+
+
+# The sampling fields the server implements: (kind, field, accepted values, refused values).
+SAMPLING = [
+    ("completions", "n", [1, 2, 128], [0, 129, True, 1.0, "1"]),
+    ("chat", "n", [3], [0, False]),
+    ("completions", "top_p", [1, 0.5, 1e-3], [0, 1.5, -0.1, True, "1"]),
+    ("completions", "logprobs", [0, 5], [6, -1, True, 1.5]),
+    ("chat", "logprobs", [True, False], [1, "true"]),
+]
+
+
+@pytest.mark.parametrize("kind, field, good, bad", SAMPLING)
+def test_the_sampling_fields_are_read_in_their_ranges(kind, field, good, bad):
+    base = PROMPT if kind == "completions" else CHAT
+    for value in [None, *good]:
+        assert getattr(accepted(kind, {**base, field: value}), field) == value
+    for value in bad:
+        assert refused(kind, {**base, field: value}).param == field
+
+
+def test_top_logprobs_needs_logprobs_and_completions_count_alternatives_in_logprobs():
+    assert accepted("chat", {**CHAT, "logprobs": True, "top_logprobs": 20}).alternatives == 20
+    assert accepted("chat", {**CHAT, "logprobs": True}).alternatives == 0
+    assert accepted("chat", {**CHAT, "logprobs": False}).alternatives is None
+    for body in ({"top_logprobs": 2}, {"logprobs": False, "top_logprobs": 2}):
+        error = refused("chat", {**CHAT, **body})
+        assert error.param == "top_logprobs" and "needs logprobs" in str(error)
+    assert refused("chat", {**CHAT, "logprobs": True, "top_logprobs": 21}).param == "top_logprobs"
+    assert accepted("completions", {**PROMPT, "logprobs": 3}).alternatives == 3
+    assert accepted("completions", PROMPT).alternatives is None
+    assert refused("completions", {**PROMPT, "top_logprobs": 2}).param == "top_logprobs"
 
 
 def test_the_table_covers_the_unsupported_fields():

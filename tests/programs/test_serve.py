@@ -58,6 +58,7 @@ def make(model, tok, **kw):
         threshold=kw.pop("threshold", 0.9),
         steps_per_call=2,
         max_failures=kw.pop("max_failures", 3),
+        logprobs=5,
     )
     if kw.pop("faulty", False):
         eng.decoder = FaultyDecoder(eng.decoder)
@@ -74,16 +75,19 @@ def live(model, tok):
     server.engine.stop()
 
 
-def alone(model, ids, max_tokens, threshold, temperature=0.0, seed=0) -> list[int]:
+def alone(model, ids, max_tokens, threshold, temperature=0.0, seed=0, top_p=1.0) -> list[int]:
+    padded = np.zeros((1, max(len(ids), WIDTH)), np.int32)  # one compile per setting
+    padded[0, : len(ids)] = ids
     out = qwen_generate(
         model,
-        np.asarray([ids], np.int32),
+        padded,
         np.asarray([len(ids)], np.int32),
         block_size=B,
         threshold=threshold,
         max_new_tokens=max_tokens,
         temperature=temperature,
         seed=seed,
+        top_p=top_p,
     )
     return out.tokens[0, : out.lengths[0]].tolist()
 
@@ -185,6 +189,112 @@ def test_concurrent_requests_with_stop_strings(live, model, tok):
             assert body["choices"][0]["finish_reason"] == "stop"
 
 
+def test_n_top_p_and_logprobs_in_one_batch(live, model, tok):
+    """OpenAI's sampling fields, sent at once by the official client: ``n`` choices (choice i of
+    seed s equal to the prompt decoded alone with seed s + i and the request's top_p), chat
+    log-probabilities with alternatives (each token's bytes spell the text; greedy, so each
+    token is its own most likely alternative), completions' legacy log-probabilities cut at a
+    stop string like the counts, and a streamed ``n`` = 2 whose chunks add up to the same
+    choices."""
+    _, running = live
+    c = client(running)
+    prompt = "Natalia sold clips to 48 of her friends"
+    ids = tok.encode(prompt)
+    expected = [
+        alone(model, ids, 12, 0.9, temperature=1.5, seed=11 + i, top_p=0.9) for i in range(3)
+    ]
+    greedy = alone(model, ids, 16, 0.9)
+    text = tok.decode(greedy)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    count = next(k for k in range(1, len(greedy) + 1) if stop in tok.decode(greedy[:k]))
+    results = {}
+    calls = {
+        "n": lambda: c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            n=3,
+            top_p=0.9,
+            temperature=1.5,
+            seed=11,
+            extra_body={"threshold": 0.9},
+        ),
+        "chat": lambda: c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=12,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"threshold": 0.9},
+        ),
+        "legacy": lambda: c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=16,
+            logprobs=2,
+            stop=[stop],
+            extra_body={"threshold": 0.9},
+        ),
+        "stream": lambda: list(
+            c.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=12,
+                n=3,
+                top_p=0.9,
+                temperature=1.5,
+                seed=11,
+                stream=True,
+                logprobs=1,
+                extra_body={"threshold": 0.9},
+            )
+        ),
+    }
+    threads = [threading.Thread(target=lambda k=k: results.update({k: calls[k]()})) for k in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+
+    n = results["n"]
+    assert [ch.index for ch in n.choices] == [0, 1, 2]
+    assert [ch.text for ch in n.choices] == [tok.decode(e) for e in expected]
+    assert n.usage.completion_tokens == sum(map(len, expected))
+    assert n.usage.prompt_tokens == len(ids)
+
+    streamed = {}
+    for chunk in results["stream"]:
+        for ch in chunk.choices:
+            text_so_far, tokens = streamed.get(ch.index, ("", []))
+            streamed[ch.index] = (text_so_far + ch.text, tokens + ch.logprobs.tokens)
+    assert [streamed[i][0] for i in range(3)] == [tok.decode(e) for e in expected]
+    assert [len(streamed[i][1]) for i in range(3)] == [len(e) for e in expected]
+    assert results["stream"][-1].usage.completion_tokens == sum(map(len, expected))
+
+    chat = results["chat"].choices[0]
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], True)
+    chat_tokens = alone(model, chat_ids, 12, 0.9)
+    assert chat.message.content == tok.decode(chat_tokens)
+    content = chat.logprobs.content
+    assert len(content) == len(chat_tokens) == results["chat"].usage.completion_tokens
+    assert b"".join(bytes(t.bytes) for t in content).decode() == chat.message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)
+        assert [a.logprob for a in t.top_logprobs] == sorted(
+            (a.logprob for a in t.top_logprobs), reverse=True
+        )
+
+    legacy = results["legacy"].choices[0]
+    assert legacy.text == text[: text.find(stop)] and legacy.finish_reason == "stop"
+    assert len(legacy.logprobs.tokens) == count == results["legacy"].usage.completion_tokens
+    assert "".join(legacy.logprobs.tokens).startswith(legacy.text)
+    assert legacy.logprobs.text_offset == [
+        len("".join(legacy.logprobs.tokens[:k])) for k in range(count)
+    ]
+    assert all(len(alts) == 2 for alts in legacy.logprobs.top_logprobs)
+
+
 def hostile_requests(rng: random.Random):
     """(path, raw body, expected status) of malformed or hostile requests."""
     good = {"prompt": "hello", "max_tokens": 2}
@@ -207,7 +317,7 @@ def hostile_requests(rng: random.Random):
         ("/v1/completions", {**good, "stop": 7}, 400),
         ("/v1/completions", {**good, "stop": ["a", "b", "c", "d", "e"]}, 400),
         ("/v1/completions", {**good, "stream": "yes"}, 400),
-        ("/v1/completions", {**good, "n": 3}, 400),
+        ("/v1/completions", {**good, "n": 0}, 400),
         ("/v1/completions", {**good, "nonsense_field": 1}, 400),
         ("/v1/completions", {**good, "model": "gpt-4"}, 404),
         ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400),
@@ -265,8 +375,16 @@ def test_errors_name_their_field_and_neutral_openai_fields_are_accepted(live, mo
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     cases = [
         ("/v1/completions", {**good, "nonsense_field": 1}, 400, "nonsense_field"),
-        ("/v1/completions", {**good, "top_p": 0.5}, 400, "top_p"),
-        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/completions", {**good, "top_p": 1.5}, 400, "top_p"),
+        ("/v1/completions", {**good, "n": 65}, 400, "n"),  # more than --max_waiting
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
+        (  # more than the engine records
+            "/v1/chat/completions",
+            {**chat, "logprobs": True, "top_logprobs": 6},
+            400,
+            "top_logprobs",
+        ),
+        ("/v1/completions", {**good, "logprobs": 5, "echo": True}, 400, "echo"),
         ("/v1/completions", {**good, "max_tokens": True}, 400, "max_tokens"),
         ("/v1/completions", {**good, "max_tokens": MAX_NEW + 1}, 400, "max_tokens"),
         (
