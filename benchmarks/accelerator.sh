@@ -46,10 +46,11 @@ if [ "$smoke" = 1 ]; then
     --steps=6 --repeats=1 --prompt_len=8)
   hf_args=(--model=tiny_shape --shape_dtype=float32 --batch_sizes=1 --shape_max_new_tokens=4
     --repeats=1)
+  # A vocabulary that is not Qwen's (its ids and <|mask|> are drawn inside the model's rows).
   train_args=(--config=configs/tiny.py --steps=1 --matmul_size=128
     --config.model.num_layers=1 --config.model.hidden_size=32
     --config.model.intermediate_size=64 --config.model.head_dim=8
-    --config.data.max_length=32 --config.train.batch_size=2)
+    --config.data.max_length=32 --config.train.batch_size=2 --config.model.vocab_size=4096)
   limits=(120 120 120 120)
 else
   shapes=(qwen0_5b qwen7b); step_args=(--dtypes=bfloat16 --batch_sizes=1,4,16,64

@@ -177,6 +177,7 @@ def run_mode(mode, model, tok, block_size, name, work):
         sampling=False,
         refill=mode != "static",
     )
+    eng.warmup()
     eng.start()
     server = serve.Server(eng, tok, model_name=name, max_waiting=10**6)
     background = serve.Background(serve.build_app(server))

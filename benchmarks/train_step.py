@@ -89,12 +89,22 @@ def matmul_peak(dtype: str, size: int, repeats: int = 5) -> float:
     return 2.0 * size**3 / best
 
 
-def synthetic_batch(rows: int, length: int, label_fraction: float, seed: int = 0) -> dict:
-    """{input_ids, labels} int32 [rows, length]: ids uniform over the ordinary Qwen2.5 tokens
-    (below the special ones), labels = ids on the last ``round(label_fraction * length)``
-    positions of each row and `common_types.IGNORE_INDEX` before them (prompt, then answer)."""
+def mask_id_for(vocab_size: int) -> int:
+    """Qwen2.5's ``<|mask|>`` where the vocabulary holds it, else its last row (a mask added as
+    a new row, as `add_mask_token` does)."""
+    return MASK_ID if MASK_ID < vocab_size else vocab_size - 1
+
+
+def synthetic_batch(
+    rows: int, length: int, label_fraction: float, vocab_size: int, seed: int = 0
+) -> dict:
+    """{input_ids, labels} int32 [rows, length]: ids uniform over the model's ``vocab_size``
+    rows but its last (`mask_id_for`'s mask), below Qwen2.5's special tokens (151643) where the
+    vocabulary has them, labels = ids
+    on the last ``round(label_fraction * length)`` positions of each row and
+    `common_types.IGNORE_INDEX` before them (prompt, then answer)."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 151643, size=(rows, length), dtype=np.int32)
+    ids = rng.integers(0, min(vocab_size - 1, 151643), size=(rows, length), dtype=np.int32)
     labels = np.full_like(ids, IGNORE_INDEX)
     answer = max(1, round(label_fraction * length))
     labels[:, length - answer :] = ids[:, length - answer :]
@@ -113,7 +123,7 @@ def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float,
         Example(ids, labels, r)
         for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))
     ]
-    obj = train_step.objective_settings(c, MASK_ID, examples)
+    obj = train_step.objective_settings(c, mask_id_for(model_cfg.vocab_size), examples)
     mesh, rules = sharding.mesh_from_config(c.mesh)
     graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, _ = train_step.optimizer(c, num_steps=1000)  # the schedule does not change the cost
@@ -137,7 +147,7 @@ def benchmark(
     """Prints the side-by-side table (module docstring) ending with the ratio line, and returns
     the two rows (objective, step_s, tokens_per_s, tflop_per_step, mfu)."""
     rows, length = cfg.train.batch_size, cfg.data.max_length
-    batch = synthetic_batch(rows, length, label_fraction, seed=cfg.seed)
+    batch = synthetic_batch(rows, length, label_fraction, cfg.model.vocab_size, seed=cfg.seed)
     model_cfg = ModelConfig(**cfg.model)
     devices = len(jax.devices())
     peak = peak_flops or matmul_peak(model_cfg.dtype, matmul_size)

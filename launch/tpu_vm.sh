@@ -58,7 +58,11 @@ while (($#)); do
   shift
 done
 (($#)) || { echo "no command given after --" >&2; usage >&2; exit 2; }
-: "${NAME:?set NAME}" "${ZONE:?set ZONE}"
+need() {  # need VAR WHAT: VAR set, or a message saying what it is, and status 2
+  [ -n "${!1:-}" ] || { echo "launch/tpu_vm.sh: $1 is not set: $2 (see --help)" >&2; exit 2; }
+}
+need NAME "the TPU VM's name, e.g. NAME=mars"
+need ZONE "its zone, e.g. ZONE=us-west4-a"
 PYTHON=${PYTHON:-python3.11}
 JAX_VERSION=${JAX_VERSION:-0.10.2}
 LOG_DIR=${LOG_DIR:-logs/tpu/$NAME}
@@ -85,8 +89,8 @@ exists() {
 }
 
 create() {
-  : "${ACCELERATOR_TYPE:?set ACCELERATOR_TYPE to create $NAME}"
-  : "${RUNTIME_VERSION:?set RUNTIME_VERSION to create $NAME}"
+  need ACCELERATOR_TYPE "the chips to create $NAME with, e.g. v5litepod-16"
+  need RUNTIME_VERSION "the TPU software to create $NAME with, e.g. v2-alpha-tpuv5-lite"
   local tier=()
   ((spot)) && tier=(--spot)
   ((best_effort)) && tier=(--best-effort)

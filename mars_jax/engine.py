@@ -12,9 +12,9 @@ arrays, and never imports jax:
   (threshold, temperature, top_p, seed as in `decode.generate`): `Decoder.begin`, then one
   `Decoder.prefill_chunk` forward per chunk, one chunk per host turn, so a long prompt delays
   the decoding slots by one chunk's forward per turn, not by its whole prefill. A group is
-  padded to a power-of-two number of rows and its chunks to a power-of-two width fitted to its
-  longest prompt (at most ``prefill_chunk``): a few compiled shapes, and no 256-token forward
-  for a 40-token prompt.
+  padded to a power-of-two number of rows and its chunks to the least of `widths` (16, 24, 32,
+  48, ..., ``prefill_chunk``) that holds its longest prompt: a few compiled shapes (`warmup`
+  compiles them all), and no 256-token forward for a 40-token prompt.
 - ``insert``: `Decoder.insert` writes the group's rows into their slots of the batch state (KV
   cache rows, tokens, cursors and settings) in one update, the batch state donated.
 - ``steps``: `Decoder.steps`, a few forwards of every slot per device call. A slot that is empty,
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import queue
 import threading
 from typing import Any, Callable, Sequence
@@ -141,13 +142,28 @@ class _Prefill:
         return max(len(s.request.prompt_ids) for s in self.streams if s is not None)
 
 
-def bucket(n: int, largest: int, smallest: int = 1) -> int:
-    """The compiled size that holds ``n``: the least power of two >= n (and >= ``smallest``),
-    capped at ``largest``."""
-    size = smallest
+def bucket(n: int, largest: int) -> int:
+    """The compiled number of rows that holds ``n``: the least power of two >= n, capped at
+    ``largest``."""
+    size = 1
     while size < n:
         size *= 2
     return min(size, largest)
+
+
+def widths(largest: int) -> list[int]:
+    """The compiled prefill widths up to ``largest``: 16, 24, 32, 48, 64, 96, ... (powers of
+    two and the midpoints 1.5x them: a prompt pads by at most a third), then ``largest``."""
+    sizes, size = set(), 16
+    while size < largest:
+        sizes |= {size, size * 3 // 2}
+        size *= 2
+    return sorted({w for w in sizes if w < largest} | {largest})
+
+
+def width_for(n: int, largest: int) -> int:
+    """The least compiled width (`widths`) that holds ``n`` tokens, else ``largest``."""
+    return next((w for w in widths(largest) if w >= n), largest)
 
 
 def _refused(field: str, value, reason: str) -> OptionError:
@@ -341,8 +357,8 @@ class Engine:
     def _admit(self) -> None:
         """Takes waiting requests into the free slots: those admitted in one turn are one
         prefill group, padded to a power-of-two number of rows (at most ``slots``) and
-        prefilled at a power-of-two width (16 tokens at least, ``prefill_chunk`` at most)
-        fitted to their longest prompt, so that a few compiled shapes serve every group."""
+        prefilled at the least of `widths` (16, 24, 32, 48, ... up to ``prefill_chunk``) that
+        holds their longest prompt, so that a few compiled shapes serve every group."""
         if not self.refill and (self.active or self._prefills):
             return
         reserved = self._reserved()
@@ -366,7 +382,7 @@ class Engine:
         empty = Request((self.pad_id,), 1)
         state = self._begin([empty if s is None else s.request for s in padded])
         longest = max(len(s.request.prompt_ids) for s in streams)
-        width = bucket(longest, self.prefill_chunk, min(16, self.prefill_chunk))
+        width = width_for(longest, self.prefill_chunk)
         self._prefills.append(_Prefill(padded, free[: len(streams)], state, width))
 
     def _prefill_chunks(self) -> None:
@@ -400,6 +416,30 @@ class Engine:
                         slots[r] = slot
                         self._streams[slot], self._sent[slot] = stream, 0
                 self.state = self.decoder.insert(self.state, p.state, slots)
+
+    def warmup(self) -> int:
+        """Compiles every program a turn can run, by running each once on padding rows: the
+        prefill of each group shape (`_admit`'s row and width buckets), their insert (the rows
+        dropped), the steps, the read-back and the free; so that no request waits for a
+        compile. Call it before `start`; returns the number of group shapes."""
+        row_sizes = sorted({bucket(n, self.slots) for n in range(1, self.slots + 1)})
+        sizes = widths(self.prefill_chunk)
+        for rows, width in itertools.product(row_sizes, sizes):
+            # A group's first chunk takes `begin`'s state, a later one (only at the full chunk
+            # width) a chunk's: their arrays' placements differ, and so do the programs.
+            group = self._begin([Request((self.pad_id,), 1)] * rows)
+            later = width == self.prefill_chunk < self._width
+            for _ in range(1 + later if group.cache is not None else 0):
+                ids = np.full((rows, width), self.pad_id, np.int32)
+                group = self.decoder.prefill_chunk(
+                    self.params, group, ids, np.zeros((rows,), np.int32)
+                )
+            nowhere = np.full((rows,), self.slots, np.int32)
+            self.state = self.decoder.insert(self.state, group, nowhere)
+        self.state = self.decoder.steps(self.params, self.state, self.steps_per_call)
+        self.decoder.read_new_tokens(self.state, self._sent, self._read_width)
+        self.state = self.decoder.free(self.state, np.zeros((self.slots,), bool))
+        return len(row_sizes) * len(sizes)
 
     def run_once(self) -> bool:
         """One turn: admit, one prefill chunk per new request, decode ``steps_per_call``

@@ -3,7 +3,7 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
   python -m mars_jax.serve --workdir=runs/mars --port=8000 [--host=127.0.0.1 --slots=8
       --threshold=0.95 --max_prompt_len=1024 --max_new_tokens=512 --max_waiting=64
       --prefill_chunk=256 --mesh=1,1,8 --temperature=0 --top_p=1 --rule prob --max_failures=3
-      --max_logprobs=20]
+      --max_logprobs=20 --warmup]
 
 The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
@@ -50,6 +50,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -554,11 +555,13 @@ def make_server(
     model_name: str | None = None,
     max_failures: int = 3,
     max_logprobs: int | None = protocol.MAX_TOP_LOGPROBS,
+    warmup: bool = False,
 ) -> Server:
     """The `Server` of the model ``opened`` (`sources.open`, on ``mesh`` if given), its engine
     started: ``options`` are the requests' defaults, ``options.max_new_tokens`` the largest
     budget a request may ask for, ``max_logprobs`` the most alternatives per token (None: no
-    log-probabilities)."""
+    log-probabilities); ``warmup`` compiles every prefill shape first (`engine.Engine.warmup`;
+    without it, the first request of each shape waits for a compile)."""
     eng = engine.Engine(
         opened.model,
         options,
@@ -572,9 +575,20 @@ def make_server(
         mesh=mesh,
         axis_rules=axis_rules,
     )
+    if warmup:  # every prefill shape compiled before the first request (Engine.warmup)
+        eng.warmup()
     eng.start()
     name = model_name or os.path.basename(os.path.normpath(opened.path))
     return Server(eng, opened.tokenizer, model_name=name, max_waiting=max_waiting)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port``; `InputError` (one line) where it cannot be had
+    (a port in use, an address not of this host)."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        raise InputError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def main() -> None:
@@ -604,8 +618,12 @@ def main() -> None:
     max_logprobs = flags.DEFINE_integer(
         "max_logprobs", protocol.MAX_TOP_LOGPROBS, "Most top_logprobs a request may ask for."
     )
+    warmup = flags.DEFINE_bool(
+        "warmup", False, "Compile every prefill shape before answering (Engine.warmup)."
+    )
 
     def run():
+        sock = listen(host.value, port.value)  # before the model loads: a port in use fails fast
         shape = None if mesh_sizes.value is None else [int(n) for n in mesh_sizes.value]
         mesh, rules = mesh_for(workdir.value, shape, slots.value)
         opened, options = decoding.open(workdir.value, mesh=mesh)
@@ -622,6 +640,7 @@ def main() -> None:
             model_name=name.value,
             max_failures=max_failures.value,
             max_logprobs=max_logprobs.value,
+            warmup=warmup.value,
         )
         app = build_app(server)
         # The engine gave up (engine.Engine.start): shut down as on SIGTERM, then exit 1.
@@ -634,8 +653,7 @@ def main() -> None:
         logging.info("serving %s on http://%s:%d", server.model_name, host.value, port.value)
         web.run_app(
             app,
-            host=host.value,
-            port=port.value,
+            sock=sock,
             print=None,
             shutdown_timeout=60,
             handler_cancellation=True,  # a client gone mid-request cancels its handler

@@ -45,9 +45,12 @@ def is_hf_dir(path: str) -> bool:
 def kind(path: str) -> str:
     """``"run"`` (a mars-jax run: model.json) or ``"hf"`` (a Hugging Face directory:
     config.json), the one test of what a model path is, for decoding and for training's
-    ``init_from``. Raises NotFound for a directory that is neither, naming what it lacks."""
+    ``init_from``. Raises NotFound for a path that does not exist, or a directory that is
+    neither, naming what it lacks."""
     if wd.is_workdir(path):
         return "run"
+    if not storage.exists(path):
+        raise NotFound(f"{path}: does not exist")
     if storage.exists(storage.join(path, "config.json")):
         return "hf"
     raise NotFound(

@@ -86,6 +86,10 @@ def test_bad_input_is_one_line(tmp_path):
         f"error: {tmp_path}/model.json not found: {tmp_path} is not a mars-jax run directory"
     ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    missing = tmp_path / "nope"  # a typo in --workdir: said as such, not as a wrong layout
+    proc = run_python("-m", "mars_jax.generate", f"--workdir={missing}", "--prompt=hi", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"error: {missing}: does not exist"], proc.stderr
     proc = run_python(
         "-m", "mars_jax.train", "--config=configs/nope.py", f"--workdir={tmp_path}", check=False
     )

@@ -26,7 +26,7 @@ from mars_jax import serve, train
 from mars_jax.tokenizer import load_tokenizer
 from tests.decode_oracles import make_model, qwen_engine, qwen_generate
 from tests.decoding.test_engine import FaultyDecoder, wait_until
-from tests.helpers import ROOT, python_env, write_released
+from tests.helpers import ROOT, python_env, run_python, write_released
 from tests.train_runs import get_config
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 4, 64, 24
@@ -626,6 +626,7 @@ def test_command_line_serves_and_exits_0_on_sigterm(tmp_path):
             "--max_new_tokens=64",
             "--max_prompt_len=128",
             "--prefill_chunk=16",
+            "--warmup",  # its 2 shapes (1 and 2 rows at 16 tokens) compiled before serving
             "--mesh=2,1,2",  # on 4 simulated devices: slots over data, KV heads over tensor
         ],
         cwd=ROOT,
@@ -676,9 +677,14 @@ def test_command_line_serves_and_exits_0_on_sigterm(tmp_path):
 
 FAULT = """
 import sys
+import numpy as np
 from mars_jax import decode, serve
 
+real = decode.Decoder.steps
+
 def broken(self, params, state, num_steps):
+    if np.asarray(state.done).all():  # the start-up warm-up (no row decoding): let it compile
+        return real(self, params, state, num_steps)
     raise RuntimeError("INTERNAL: injected device fault")
 
 decode.Decoder.steps = broken
@@ -732,6 +738,17 @@ def test_command_line_exits_1_when_the_engine_gives_up(tmp_path):
     assert "error: the decoding engine failed: RuntimeError: INTERNAL: injected device fault" in (
         proc.stderr.read()
     )
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = run_python(
+            "-m", "mars_jax.serve", f"--workdir={tmp_path}", f"--port={port}", check=False
+        )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: --host/--port: cannot listen on 127.0.0.1:{port}: "), line
 
 
 def test_control_tokens_spelled_in_a_message_stay_text(live, tok):

@@ -175,6 +175,34 @@ def test_tpu_vm_dry_run_commands():
     ]
 
 
+@pytest.mark.subprocess
+def test_tpu_vm_names_the_variable_it_lacks():
+    """Without its environment, --dry_run says which variable is missing and what it is, not
+    bash's bare ``NAME: set NAME``; creating also needs the chips and the runtime."""
+    base = {k: v for k, v in os.environ.items() if k not in ("NAME", "ZONE")}
+    base.pop("ACCELERATOR_TYPE", None)
+    base.pop("RUNTIME_VERSION", None)
+    cases = [
+        ({}, "NAME is not set: the TPU VM's name, e.g. NAME=mars (see --help)"),
+        ({"NAME": "pod"}, "ZONE is not set: its zone, e.g. ZONE=us-west4-a (see --help)"),
+        (
+            {"NAME": "pod", "ZONE": "z"},
+            "ACCELERATOR_TYPE is not set: the chips to create pod with, e.g. v5litepod-16",
+        ),
+    ]
+    for extra, message in cases:
+        run = subprocess.run(
+            ["bash", "launch/tpu_vm.sh", "--dry_run", "--", "echo", "hi"],
+            cwd=ROOT,
+            env={**base, **extra},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.strip().splitlines()[-1].startswith(f"launch/tpu_vm.sh: {message}")
+
+
 def test_launchers_pin_the_same_jax():
     with open(os.path.join(ROOT, "launch/tpu_vm.sh")) as f:
         pinned = re.search(r"JAX_VERSION=\$\{JAX_VERSION:-([^}]+)\}", f.read()).group(1)
