@@ -156,7 +156,7 @@ def block_size_of(path: str, given: int | None = None) -> int:
     records none, saying how to give it."""
     if given is not None:
         return int(given)
-    if not is_hf_dir(path):
+    if kind(path) == "run":  # NotFound for a path that is neither (or does not exist)
         return wd.trained_block_size(path)
     recorded = _hf_config(path).get("mars_block_size")
     if recorded is None:
