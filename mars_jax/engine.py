@@ -513,8 +513,8 @@ class Engine:
                     self._fail(error)
                     self._stop.wait(min(0.05 * 2**self._failed_in_a_row, 2.0))
                     continue
-                if self._probe is not None and not self._probe._queue.empty():
-                    self._probe = None  # it decoded: `run_once` set healthy
+                if self.healthy:  # a decoding turn went through: no probe is needed
+                    self._probe = None
                 if not busy:
                     self._wake.wait(0.05)
                     self._wake.clear()
