@@ -93,7 +93,7 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from benchmarks import decode_step
+from benchmarks import common, decode_step
 from mars_jax import cli, decode, huggingface, sources
 from mars_jax import config as config_lib
 from mars_jax.batches import eval_examples, eval_source
@@ -254,7 +254,7 @@ def build_subjects(
             subjects.append(
                 make_subject(
                     name,
-                    nnx.merge(*decode_step.random_params(cfg)),
+                    nnx.merge(*common.random_params(cfg)),
                     prompts.tolist(),
                     block_size=block_size,
                     max_new_tokens=shape_max_new_tokens,
@@ -396,10 +396,12 @@ def benchmark(
     thresholds: Sequence[float],
     decoders: Sequence[str] = DECODERS,
     repeats: int = 2,
+    on_rows=None,
 ) -> list[dict]:
     """Every (model, batch, decoder, threshold) row, with all of `KEYS`. ar (the speedup
     baseline) is always included, ar and transformers at threshold 1.0 only. Per model and
-    batch, every configuration runs once untimed (compilation), then `best_seconds`."""
+    batch, every configuration runs once untimed (compilation), then `best_seconds`;
+    ``on_rows`` (if given) gets every row so far after each batch size."""
     rows = []
     for s in subjects:
         mars = [min(thresholds)] if s.one_threshold else list(thresholds)
@@ -418,10 +420,14 @@ def benchmark(
             if "transformers" in decoders:
                 prefills["transformers"] = prefill_run(s, "transformers", batch=batch, block_size=1)
             runs = [decoder_run(s, d, batch=batch, threshold=t) for d, t in configs]
-            outs = [run() for run in runs]
+            outs = []
+            for (decoder, threshold), run in zip(configs, runs):
+                outs.append(run())
+                common.progress(f"{s.name} batch {batch} {decoder} {threshold}: compiled, ran")
             for run in prefills.values():
                 run()
             seconds = best_seconds(runs + list(prefills.values()), repeats)
+            common.progress(f"{s.name} batch {batch}: timed")
             prefill = dict(zip(prefills, seconds[len(runs) :]))
             ar = outs[0].accepted.sum() / seconds[0]
             for (decoder, threshold), out, sec in zip(configs, outs, seconds):
@@ -454,6 +460,8 @@ def benchmark(
                         same_as_ar=float(np.mean(same)),
                     )
                 )
+            if on_rows is not None:
+                on_rows(rows)
     return rows
 
 
@@ -641,13 +649,6 @@ def main() -> None:
             shape_max_new_tokens=shape_new.value,
             shape_dtype=shape_dtype.value,
         )
-        rows = benchmark(
-            subjects,
-            batch_sizes=sizes,
-            thresholds=[float(t) for t in thresholds.value],
-            decoders=decoders.value,
-            repeats=repeats.value,
-        )
         header = (
             f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; transformers on torch "
             f"{torch.__version__} with {torch.get_num_threads()} threads; best of "
@@ -659,9 +660,21 @@ def main() -> None:
             )
             + "\n\n"
         )
+        common.progress("models ready")
+
+        def save_rows(rows):  # after every batch size: a run cut short keeps those
+            if output_dir.value:
+                write(rows, output_dir.value, header)
+
+        rows = benchmark(
+            subjects,
+            batch_sizes=sizes,
+            thresholds=[float(t) for t in thresholds.value],
+            decoders=decoders.value,
+            repeats=repeats.value,
+            on_rows=save_rows,
+        )
         print("\n".join(json.dumps(r) for r in rows) if as_json.value else header + markdown(rows))
-        if output_dir.value:
-            write(rows, output_dir.value, header)
 
     cli.run(run)
 

@@ -46,8 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import common
 from mars_jax import decode
-from mars_jax.model import ModelConfig, abstract_model
+from mars_jax.model import ModelConfig
 from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
 MODES = ("ar", "sliding", "sliding_fixed", "block")
@@ -80,17 +81,6 @@ def model_config(shape: str, dtype: str, **overrides) -> ModelConfig:
         raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
     c = importlib.import_module(f"configs.{shape}").get_config("mars")
     return ModelConfig(**{**c.model.to_dict(), "dtype": dtype, "param_dtype": dtype, **overrides})
-
-
-def random_params(cfg: ModelConfig, seed: int = 0) -> tuple[object, nnx.State]:
-    """(graphdef, parameters) of a randomly initialised `Qwen2` of ``cfg``, built by one jitted
-    program (no eager per-parameter init: a 7B model initialises in seconds on an
-    accelerator)."""
-    from mars_jax.model import Qwen2
-
-    graphdef, _ = nnx.split(abstract_model(cfg))
-    params = jax.jit(lambda: nnx.split(Qwen2(cfg, rngs=nnx.Rngs(seed)))[1])()
-    return graphdef, params
 
 
 def make_decoder(
@@ -192,6 +182,7 @@ def benchmark_group(
             case.decoder, params, rows=batch, prompt_len=prompt_len, accept=case.accept
         )
         case.run(params, steps)  # compiles (once per mode), warms up
+    common.progress(f"{shape} batch {batch} B {block_size}: compiled and warmed up")
     for _ in range(repeats):
         for case in cases:
             case.best = min(case.best, case.run(params, steps))
@@ -243,7 +234,8 @@ def benchmark(
     for shape in shapes:
         for dtype in dtypes:
             cfg = model_config(shape, dtype)
-            graphdef, params = random_params(cfg)
+            graphdef, params = jax.block_until_ready(common.random_params(cfg))
+            common.progress(f"{shape} {dtype}: random parameters ready")
             for batch in batch_sizes:
                 for b in block_sizes:
                     group = benchmark_group(
@@ -264,6 +256,7 @@ def benchmark(
                     for r in group:  # a step's floor is weights / HBM bandwidth
                         r["param_bytes"] = weights
                     rows += group
+                    common.progress(f"{shape} batch {batch} B {b}: timed")
                     emit(markdown(group, header=not rows[: -len(group)]).rstrip("\n"))
                     if on_rows is not None:
                         on_rows(rows)
@@ -331,7 +324,7 @@ def parts(
     from mars_jax.kv_cache import init_cache
 
     cfg = model_config(shape, dtype)
-    graphdef, params = random_params(cfg)
+    graphdef, params = common.random_params(cfg)
     slots = prompt_len + 2 * (2 * block_size - 1)
     cache = init_cache(cfg, batch, slots)
     start = jnp.full((batch,), prompt_len, jnp.int32)

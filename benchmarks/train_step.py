@@ -5,9 +5,10 @@ r"""Train-step speed of the AR and MARS objectives at equal batch and length, si
 
 Builds the jitted train step of the config (`train_step.build_train_step`: its mesh, gradient
 accumulation and AdamW update) once per objective, with random parameters of ``config.model``
-(``init_from`` is not read) and a synthetic batch of the config's shape ``[train.batch_size,
-data.max_length]``: random token ids, the first ``1 - label_fraction`` of every row an unlabelled
-prompt and the rest a labelled answer, as in SFT data. The first step (compilation) is not
+(``init_from`` is not read; `common.random_params`, every layer the same values) and a
+synthetic batch of the config's shape ``[train.batch_size, data.max_length]``: random token
+ids, the first ``1 - label_fraction`` of every row an unlabelled prompt and the rest a labelled
+answer, as in SFT data. The first step (compilation) is not
 timed; then AR and MARS steps alternate, ``--steps`` of each, each ended by
 ``jax.block_until_ready``, and each objective's step time is the median of its steps
 (alternating keeps a shared machine's load from favouring one of them). Both objectives' parameters
@@ -45,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from mars_jax import cli, sharding, train, train_step
+from benchmarks import common
+from mars_jax import cli, sharding, train_step
 from mars_jax import config as config_lib
 from mars_jax.batches import Example
 from mars_jax.common_types import IGNORE_INDEX
@@ -128,9 +130,10 @@ def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float,
     graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, _ = train_step.optimizer(c, num_steps=1000)  # the schedule does not change the cost
     step = train_step.build_train_step(c, graphdef, abstract, obj, tx, mesh, rules)
-    params = train.initial_params(c, model_cfg, abstract)
+    _, params = common.random_params(model_cfg, c.seed, shardings=sharding.shardings_of(abstract))
     state = [params, jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)]
-    device_batch = jax.device_put(batch, step.batch_sharding)
+    device_batch = jax.block_until_ready(jax.device_put(batch, step.batch_sharding))
+    common.progress(f"{objective}: parameters and optimizer state ready")
 
     def run_once():
         start = time.perf_counter()
@@ -158,19 +161,20 @@ def benchmark(
         f"peak {peak / 1e12:.3f} TFLOP/s per device "
         f"({'given' if peak_flops else 'measured matmul'})"
     )
-    print("| objective | step time (ms) | tokens/s | model TFLOP/step | MFU |")
-    print("|---|---|---|---|---|")
     objectives = ("ar", "mars")
     runners = {o: prepare(cfg, o, batch) for o in objectives}
     times = {o: [] for o in objectives}
     for o in objectives:
         runners[o][0]()  # compiles
+        common.progress(f"{o}: compiled and ran a step")
     for _ in range(steps):  # alternating, so that a busy machine slows both alike
         for o in objectives:
             seconds, loss = runners[o][0]()
             if not np.isfinite(loss):
                 raise FloatingPointError(f"{o}: non-finite loss {loss}")
             times[o].append(seconds)
+    print("| objective | step time (ms) | tokens/s | model TFLOP/step | MFU |")
+    print("|---|---|---|---|---|")
     out = []
     for objective in objectives:
         step_s = statistics.median(times[objective])

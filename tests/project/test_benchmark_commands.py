@@ -148,6 +148,18 @@ def test_accelerator_parts(accelerator):
     summary = (accelerator / "summary.md").read_text()
     for p in parts:
         assert f"## {p['part']}" in summary and p["command"] in summary
+    # Each part logs its timeline as it goes: a part its limit cuts short still shows where
+    # its time went (the first H200 run left four empty or header-only logs).
+    for part, steps in {
+        "decode_step_tiny": ["tiny float32: random parameters ready", "tiny batch 1 B 2: timed"],
+        "transformers": ["models ready", "tiny_shape batch 1 sliding 0.5: compiled, ran"],
+        "train_step": ["ar: parameters and optimizer state ready", "mars: compiled and ran"],
+    }.items():
+        log = (accelerator / f"{part}.log").read_text()
+        times = [float(t) for t in re.findall(r"^\[ *(\d+\.\d) s\] ", log, re.M)]
+        assert times == sorted(times) and len(times) >= len(steps), log
+        for step in steps:
+            assert re.search(rf"^\[ *\d+\.\d s\] {re.escape(step)}", log, re.M), (step, log)
 
 
 @pytest.mark.slow
@@ -215,6 +227,35 @@ def test_transformers_beside_our_decoders(accelerator):
         assert r["tokens"] == 4 * r["prompts"]
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
         assert r["conversion"] == pytest.approx(r["speedup"] / r["tokens_per_forward"])
+
+
+def test_random_params_repeat_one_layer_of_the_models_own_init():
+    """`common.random_params` (what every benchmark's random model is): the model's own init
+    of one layer, that layer's values on every layer, the other parameters as they are; shapes,
+    dtypes and tree those of the whole model."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks import common
+    from mars_jax.model import ModelConfig, Qwen2, abstract_model
+
+    cfg = ModelConfig(**tiny_config().model)
+    assert cfg.num_layers > 1
+    graphdef, params = common.random_params(cfg, seed=3)
+    _, abstract = nnx.split(abstract_model(cfg))
+    _, one = nnx.split(Qwen2(dataclasses.replace(cfg, num_layers=1), rngs=nnx.Rngs(3)))
+    assert jax.tree.structure(params) == jax.tree.structure(abstract)
+    for p, a, o in zip(*map(jax.tree.leaves, (params, abstract, one))):
+        assert (p.shape, p.dtype) == (a.shape, a.dtype)
+        if o.shape != p.shape:  # a layer axis: every layer the same values
+            assert all(np.array_equal(p[i], p[0]) for i in range(cfg.num_layers))
+            p = p[:1]
+        np.testing.assert_allclose(p, o, rtol=1e-6, atol=0)  # jitted against eager: last bits
+    layers = nnx.merge(graphdef, params).layers.mlp.up_proj.kernel[...]
+    assert float(np.abs(layers[0]).max()) > 0  # random, not zeros
 
 
 # -- benchmarks/soak.py, then decode_speed.py on its checkpoint ------------------------------
