@@ -294,6 +294,8 @@ class DecodeState:
     top_p: float32 [R], nucleus sampling: a sampling row draws from the smallest set of tokens
       whose probabilities (after its temperature) sum to >= top_p (1.0: all).
     want_logprobs: bool [R], record the row's log-probabilities (where the decoder records).
+    max_new_tokens: int32 [R], the row's budget (at most `DecoderSettings.max_new_tokens`, which
+      sizes the slots): the row is done at it, inside a `steps` call too.
     prompt_lengths: int32 [R], where each completion starts.
 
     Decoding progress:
@@ -326,6 +328,7 @@ class DecodeState:
     row_keys: jax.Array
     top_p: jax.Array
     want_logprobs: jax.Array
+    max_new_tokens: jax.Array
     prompt_lengths: jax.Array
     cache: KVCache | None
     tokens: jax.Array
@@ -510,12 +513,14 @@ class Decoder:
         row_keys,
         top_p=1.0,
         want_logprobs=False,
+        max_new_tokens=None,
     ) -> DecodeState:
         """The state after the prompts' forward (no token decoded yet).
 
         prompt_ids int32 [R, P] (right-padded), prompt_lengths int32 [R] in 1..P; threshold
         float32 [R]; max_accept int32 [] or [R]; temperature float32 [] or [R]; row_keys: one
-        PRNG key or one per row [R]; top_p float32 [] or [R]; want_logprobs bool [] or [R].
+        PRNG key or one per row [R]; top_p float32 [] or [R]; want_logprobs bool [] or [R];
+        max_new_tokens int32 [] or [R], each row's budget (None: the decoder's).
         Unchecked: `generate` checks its arguments.
         """
         with self._on_mesh():
@@ -529,6 +534,7 @@ class Decoder:
                 row_keys,
                 top_p,
                 want_logprobs,
+                max_new_tokens,
             )
 
     @_static_self
@@ -543,6 +549,7 @@ class Decoder:
         row_keys,
         top_p=1.0,
         want_logprobs=False,
+        max_new_tokens=None,
     ) -> DecodeState:
         """A chunked prefill's first state (``sliding`` or ``none`` mode; arguments as
         `prefill`): the prompts' tokens and settings with an empty cache, which
@@ -559,6 +566,7 @@ class Decoder:
                 row_keys,
                 top_p,
                 want_logprobs,
+                max_new_tokens,
             )
             if self.settings.cache_mode == "none":
                 return s
@@ -769,7 +777,7 @@ class Decoder:
         return model(ids, pos, slot_ids[None, None, :] <= pos[:, :, None], cache, start)
 
     def _budget(self, s: DecodeState) -> jax.Array:
-        return jnp.minimum(self.settings.max_new_tokens - s.new_tokens, s.max_accept)
+        return jnp.minimum(s.max_new_tokens - s.new_tokens, s.max_accept)
 
     def _advance(
         self,
@@ -800,7 +808,7 @@ class Decoder:
             cache_cursor=keep(cache_cursor, s.cache_cursor),
             num_drafts=s.num_drafts if num_drafts is None else keep(num_drafts, s.num_drafts),
             new_tokens=new_tokens,
-            done=s.done | hit_eos | (new_tokens >= st.max_new_tokens),
+            done=s.done | hit_eos | (new_tokens >= s.max_new_tokens),
             row_forwards=s.row_forwards + (active & forward),
             forwards=s.forwards + forward,
         )
@@ -815,6 +823,7 @@ class Decoder:
         row_keys,
         top_p=1.0,
         want_logprobs=False,
+        max_new_tokens=None,
     ) -> DecodeState:
         """The state before any forward: the prompts in their token slots, no cache."""
         st = self.settings
@@ -829,6 +838,9 @@ class Decoder:
             row_keys=row_keys,
             top_p=per_row(top_p, jnp.float32),
             want_logprobs=per_row(want_logprobs, bool),
+            max_new_tokens=per_row(
+                st.max_new_tokens if max_new_tokens is None else max_new_tokens, jnp.int32
+            ),
             prompt_lengths=prompt_lengths,
             cache=None,
             tokens=_rowwise(jnp.zeros((rows, slots), jnp.int32).at[:, :prompt_len].set(prompt_ids)),
@@ -863,6 +875,7 @@ class Decoder:
         row_keys,
         top_p=1.0,
         want_logprobs=False,
+        max_new_tokens=None,
     ) -> DecodeState:
         st = self.settings
         s = self._initial(
@@ -874,6 +887,7 @@ class Decoder:
             row_keys,
             top_p,
             want_logprobs,
+            max_new_tokens,
         )
         if st.cache_mode == "none":
             return s
@@ -978,7 +992,7 @@ class Decoder:
             new_drafts = self._choose(s, draft_logits, (s.committed + s.num_drafts)[:, None] + i)
             sure = _confident(self.acceptance.confidence(draft_logits, new_drafts), s.threshold)
             # The next step accepts at most its drafts + 1 tokens: no more drafts than that uses.
-            room = jnp.minimum(st.max_new_tokens - s.new_tokens - count, s.max_accept) - 1
+            room = jnp.minimum(s.max_new_tokens - s.new_tokens - count, s.max_accept) - 1
             num = jnp.minimum(jnp.cumprod(sure, axis=1).sum(axis=1), jnp.maximum(room, 0))
             all_ok = (count == s.num_drafts + 1) & ~hit_eos
             num_drafts = jnp.where(all_ok, num, 0).astype(jnp.int32)

@@ -352,6 +352,9 @@ class Engine:
             seed_keys([q.seed for q in requests]),
             np.asarray([q.top_p for q in requests], np.float32),
             np.asarray([q.logprobs is not None for q in requests]),
+            # Each row stops at its own budget inside a device call: its forwards count only
+            # those that decoded for it (usage's tokens_per_forward).
+            np.asarray([q.max_tokens for q in requests], np.int32),
         )
 
     def _admit(self) -> None:

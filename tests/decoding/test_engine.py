@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import engine
+from mars_jax import decode, engine
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS
@@ -52,10 +52,16 @@ def eng(model):
 def alone(model, request: engine.Request) -> list[int]:
     """The oracle: `decode.generate` of the request's prompt alone (padded to a fixed width:
     one compile per setting, and no effect on the tokens)."""
+    out = alone_output(model, request)
+    return out.tokens[0, : out.lengths[0]].tolist()
+
+
+def alone_output(model, request: engine.Request) -> decode.DecodeOutput:
+    """`alone`'s whole `decode.DecodeOutput` (its row_forwards too)."""
     n = len(request.prompt_ids)
     ids = np.zeros((1, max(n, WIDTH)), np.int32)
     ids[0, :n] = request.prompt_ids
-    out = qwen_generate(
+    return qwen_generate(
         model,
         ids,
         np.asarray([n], np.int32),
@@ -66,7 +72,6 @@ def alone(model, request: engine.Request) -> list[int]:
         seed=request.seed,
         top_p=request.top_p,
     )
-    return out.tokens[0, : out.lengths[0]].tolist()
 
 
 def requests(n, seed=0):
@@ -97,8 +102,11 @@ def test_staggered_requests_decode_as_alone(model, eng):
         pass
     for request, stream in zip(reqs, streams):
         tokens, last = stream.result(timeout=1)
-        assert tokens == alone(model, request), request
+        out = alone_output(model, request)
+        assert tokens == out.tokens[0, : out.lengths[0]].tolist(), request
         assert last.done and last.completion_tokens == len(tokens)
+        # Forwards as alone: a row stops at its own budget inside a 3-forward device call.
+        assert last.forwards == out.row_forwards[0], request
         expected = "length" if len(tokens) == request.max_tokens else "stop"
         assert last.finish_reason == expected
         assert not set(tokens) & set(DEFAULT_EOS_IDS)

@@ -148,13 +148,16 @@ def test_openai_client_completions_chat_and_streaming(live, model, tok):
 
 
 def test_concurrent_requests_with_stop_strings(live, model, tok):
-    """8 requests at once through 4 slots, mixed thresholds, budgets and stop strings."""
+    """9 requests at once through 4 slots, mixed thresholds, budgets and stop strings (the
+    last at threshold 1.0 with an odd budget: device calls are 2 forwards)."""
     _, running = live
     rng = random.Random(0)
     cases = []
-    for i in range(8):
+    for i in range(9):
         prompt = f"Problem {i}: {rng.randint(1, 999)} apples and {rng.randint(1, 99)} pears"
         threshold, max_tokens = rng.choice([1.0, 0.9, 0.5]), rng.randint(1, MAX_NEW)
+        if i == 8:
+            threshold, max_tokens = 1.0, 7
         tokens = alone(model, tok.encode(prompt), max_tokens, threshold)
         text = tok.decode(tokens)
         stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 and i % 2 else None
@@ -187,6 +190,12 @@ def test_concurrent_requests_with_stop_strings(live, model, tok):
         assert body["usage"]["completion_tokens"] == count, (prompt, stop)
         if stop:
             assert body["choices"][0]["finish_reason"] == "stop"
+    # At threshold 1.0 one token per forward, as `generate` counts: a row stops at its budget
+    # inside a device call (2 forwards), so no forward is counted past it.
+    plain = [(c, r) for c, r in zip(cases, results) if c[1] == 1.0 and not c[3]]
+    assert any(c[2] % 2 and c[5] == c[2] for c, _ in plain)  # an odd budget, reached
+    for _, (_, body) in plain:
+        assert body["usage"]["tokens_per_forward"] == 1.0, body
 
 
 def test_n_top_p_and_logprobs_in_one_batch(live, model, tok):
