@@ -17,7 +17,12 @@ environment defaults before jax loads (a value already set wins):
   (/tmp/libtpu_lockfile) guards the chips of a TPU VM against two processes; a compile-only
   process opens no chip, so plans may run next to each other and next to a process holding the
   lock. Without it a second process fails with "ABORTED: Internal error when accessing libtpu
-  multi-process lockfile".
+  multi-process lockfile";
+- ``TPU_ACCELERATOR_TYPE=v5litepod-4`` and ``TPU_WORKER_HOSTNAMES=localhost`` (only when
+  JAX_PLATFORMS is cpu): libtpu's start-up asks for the host's chips even when it only
+  compiles, and without them prints "Failed to find host bounds" and an INVALID_ARGUMENT
+  error beside a correct table. The compile targets ``--topology`` either way (the tables of
+  v4, v5e, v5p and v6e topologies are identical with and without these).
 
 Shapes come from ``config.model`` (the paper configs carry the real Qwen2.5 architectures);
 ``init_from`` and the data paths are never read. ``objective.max_label_tokens`` must be set
@@ -50,6 +55,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
