@@ -182,6 +182,8 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         )
 
     timed = {}  # (block size, threshold) -> (DecodeOutput, best seconds)
+    planned = len({(1, 1.0)} | {(block_size, t) for t in thresholds})
+    started = []  # when the first timed decode began
 
     def timed_run(threshold, block_size=block_size):
         key = (block_size, threshold)
@@ -193,7 +195,19 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
                 threshold,
                 e.timing_repeats,
             )
+            started[:] = started or [time.perf_counter()]
             timed[key] = best_of(lambda: run(threshold, block_size), e.timing_repeats)
+            # Progress and an estimate of what is left (the decodes of the thresholds to come
+            # at this one's mean pace; the NLL pass after them is not counted).
+            elapsed = time.perf_counter() - started[0]
+            left = elapsed / len(timed) * (planned - len(timed))
+            logging.info(
+                "%d of %d timed decodes done in %.0f s; about %.0f s left",
+                len(timed),
+                planned,
+                elapsed,
+                left,
+            )
         return timed[key]
 
     # Warm-ups, untimed: compile once per block size (threshold is a traced argument); the

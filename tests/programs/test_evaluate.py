@@ -237,6 +237,25 @@ def test_wall_clock_is_the_best_of_repeats_after_an_untimed_warm_up(trained, mon
         assert f"| {r['speedup']:.2f}x | {r['conversion']:.2f} |" in table
 
 
+def test_timed_decodes_log_progress_and_time_left(trained, monkeypatch):
+    """After each timed configuration, evaluate logs how many of them are done and the time
+    left at the mean pace so far, on its own (fake) clock from the first timed decode."""
+    workdir, cfg = trained
+    calls = _clocked(monkeypatch)
+    lines = []
+    fake_logging = types.SimpleNamespace(info=lambda msg, *args: lines.append(msg % args))
+    monkeypatch.setattr(evaluate, "logging", fake_logging)
+    evaluate.evaluate(cfg, workdir)
+    timed = calls[2:]  # after the two warm-ups; each configuration runs timing_repeats times
+    keys = list(dict.fromkeys((b, t) for b, t, *_ in timed))
+    progress = [line for line in lines if "timed decodes done" in line]
+    assert len(progress) == len(keys) == 3
+    for i, line in enumerate(progress, 1):
+        elapsed = sum(s for b, t, s, _ in timed if (b, t) in keys[:i])
+        left = elapsed / i * (len(keys) - i)
+        assert line == f"{i} of 3 timed decodes done in {elapsed:.0f} s; about {left:.0f} s left"
+
+
 def test_ar_decoding_is_its_own_baseline(trained, monkeypatch):
     """Decoded at block size 1, threshold 1.0 is the AR baseline: measured once (not twice),
     speedup exactly 1."""
