@@ -13,17 +13,29 @@ model_args="workdir=...,threshold=0.95", ...)``.
 Model arguments: ``workdir`` (a run or a Hugging Face directory, required), ``threshold``
 (default 1.0: AR decoding), ``block_size`` (default: the run's), ``cache_mode``, ``rule``
 (`mars_jax.decode`), ``step`` (default: the latest checkpoint), ``seed`` (sampling: request i
-of a call gets seed + i), ``max_gen_toks`` (default 256), ``max_length`` (default 2048: as
-transformers' backend, a scored context keeps its last max_length + 1 tokens with the
-continuation, a generation context its last max_length - max_gen_toks, and
-``loglikelihood_rolling`` scores in windows of it); lm_eval's ``--batch_size`` (an integer) sets the rows
-per decoding or scoring batch; lm_eval's ``max_batch_size`` and ``device`` are accepted and
-ignored (devices are jax's).
+of a call gets seed + i), ``max_gen_toks`` (default 256), ``max_length`` (default: the model's
+context as lm_eval's transformers backend reads it from the model config, `hflm_max_length`; a
+scored context keeps its last max_length + 1 tokens with the continuation, a generation context
+its last max_length - max_gen_toks, and ``loglikelihood_rolling`` scores in windows of it),
+``add_bos_token`` and ``prefix_token_id`` (as that backend's); lm_eval's ``--batch_size`` (an
+integer) sets the rows per decoding or scoring batch; lm_eval's ``max_batch_size`` and
+``device`` are accepted and ignored (devices are jax's).
+
+Scores equal lm_eval 0.4.13's transformers backend (``HFLM``, with transformers 5) on the same
+model and requests, so that numbers are comparable with it: text is encoded with the special
+tokens the model's tokenizer adds (`special_tokens`: Llama 3's BOS, none for Qwen2.5) by HFLM's
+rule (`tok_encode`; ``add_bos_token=False`` adds none), an empty context is HFLM's prefix token
+(bos_token, else eos_token), and context / continuation pairs are split by lm_eval's
+``_encode_pair``. A continuation left with no token of its own there (its first token spans the
+join, ``"hello wor"`` + ``"ld"``) is refused naming the request, where HFLM stops on an
+assertion (scoring it, as this adapter once did, gave 0.0 and greedy: a choice that always won).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +43,16 @@ import lm_eval.models  # noqa: F401  lm_eval's own models: it adds them only to 
 import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import chunks, normalize_gen_kwargs
+from lm_eval.models.utils import (
+    DEFAULT_MAX_LENGTH,
+    TOKENIZER_INFINITY,
+    chunks,
+    normalize_gen_kwargs,
+    resolve_max_length,
+)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
-from mars_jax import config, decode, sources
+from mars_jax import config, decode, sources, storage, vocab
 from mars_jax.decode_options import DecodeOptions
 from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
@@ -50,6 +68,75 @@ _GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
 def _round_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (at least one): fewer shapes to compile."""
     return max(-(-n // multiple) * multiple, multiple)
+
+
+def _namespace(value):
+    """A config.json dict as the attributes transformers' config object has (nested dicts too)."""
+    if isinstance(value, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in value.items()})
+    return value
+
+
+def _read_json(path: str) -> dict:
+    """The JSON object in file ``path`` ({} where there is none)."""
+    return json.loads(storage.read_text(path)) if storage.exists(path) else {}
+
+
+def hflm_max_length(path: str, model, tokenizer_config: dict) -> int:
+    """The ``max_length`` lm_eval's transformers backend (HFLM) takes by default for the model at
+    ``path`` (`lm_eval.models.utils.resolve_max_length`: ``text_config``, then ``n_positions``,
+    ``max_position_embeddings``, ``n_ctx`` of the model config, then the tokenizer's
+    ``model_max_length``, then 2048). The model config is what transformers reads: a Hugging
+    Face directory's config.json (``max_position_embeddings`` absent: the family default, as the
+    config class has it, which ``model.cfg`` holds), or a run's export (its
+    ``max_position_embeddings``)."""
+    hf = _read_json(storage.join(path, "config.json")) if sources.is_hf_dir(path) else {}
+    hf.setdefault("max_position_embeddings", model.cfg.max_position_embeddings)
+    limit = tokenizer_config.get("model_max_length", TOKENIZER_INFINITY)
+    return resolve_max_length(
+        _namespace(hf), SimpleNamespace(model_max_length=limit), default=DEFAULT_MAX_LENGTH
+    )
+
+
+def special_tokens(tok, tokenizer_config: dict, add_bos_token: bool | None):
+    """(ids before, ids after) the text that transformers' tokenizer of these files adds to an
+    encoding with ``add_special_tokens=True``, loaded as HFLM loads it (with ``add_bos_token``
+    when that model argument is given), in ``tok``'s ids. transformers (5.x) replaces the
+    tokenizer.json post-processor by ``[bos] $A [eos]`` when ``add_bos_token`` or
+    ``add_eos_token`` is given (in tokenizer_config.json or as that argument) or tokenizer.json
+    has none (a bos_token / eos_token only where the files name one); else tokenizer.json's own
+    post-processor applies (Llama 3's adds ``<|begin_of_text|>``, Qwen2.5's has none)."""
+    base = getattr(tok, "qwen", tok)  # a trimmed run's tokenizer: its Qwen2.5 one
+    backend = tok.backend
+    if (
+        add_bos_token is not None
+        or {"add_bos_token", "add_eos_token"} & set(tokenizer_config)
+        or backend.post_processor is None
+    ):
+        bos = tokenizer_config.get("add_bos_token") if add_bos_token is None else add_bos_token
+        named = base.roles["bos_token"]
+        before = [backend.token_to_id(named)] if bos and named is not None else []
+        after = [base.eos_id] if tokenizer_config.get("add_eos_token") else []
+    else:
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        at = [k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain]
+        if not at:
+            raise InputError(
+                "mars_jax: the tokenizer's post-processor does not keep the text's ids together: "
+                "its special tokens cannot be added as transformers adds them"
+            )
+        before, after = full[: at[0]], full[at[0] + len(plain) :]
+    return vocab.model_ids(tok, before), vocab.model_ids(tok, after)
+
+
+def _flag(name: str, value) -> bool | None:
+    """A boolean model argument (lm_eval passes True/False, or a string from a dict)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise InputError(f"mars_jax: {name} must be True or False, got {value!r}")
 
 
 @jax.jit
@@ -70,19 +157,20 @@ def _continuation_scores(model, ids, starts, targets):
 class MarsLM(TemplateLM):
     """A mars-jax run as an lm_eval model (module docstring for the arguments).
 
-        ``generate_until`` decodes each context (raw text; lm_eval renders the chat template first
-        with ``--apply_chat_template``, through `apply_chat_template`) with `decode.generate_batched`
-        at the run's threshold, its text cut where an ``until`` string first completes (a
-        `Detokenizer`: as transformers' stop criterion then lm_eval's split give); ``max_gen_toks``
-        bounds the completion in tokens. ``loglikelihood`` sums the log-probabilities of the
-        continuation's tokens under the plain causal forward (the clean AR path, no masks) and says
-        whether greedy decoding would give them; lm_eval's `TemplateLM` splits the text into
-        context and continuation tokens. Accepted tokens per decoding forward, over all
-        ``generate_until`` calls so far, are logged, kept in ``tokens_per_forward`` and written into
-    lm_eval's results (`get_model_info`).
+    ``generate_until`` decodes each context (raw text; lm_eval renders the chat template first
+    with ``--apply_chat_template``, through `apply_chat_template`) with `decode.generate_batched`
+    at the run's threshold, its text cut where an ``until`` string first completes (a
+    `Detokenizer`: as transformers' stop criterion then lm_eval's split give); ``max_gen_toks``
+    bounds the completion in tokens. ``loglikelihood`` sums the log-probabilities of the
+    continuation's tokens under the plain causal forward (the clean AR path, no masks) and says
+    whether greedy decoding would give them; lm_eval's `TemplateLM` splits the text into
+    context and continuation tokens (`loglikelihood`). Accepted tokens per decoding forward,
+    over all ``generate_until`` calls so far, are logged, kept in ``tokens_per_forward`` and
+    written into lm_eval's results (`get_model_info`).
 
-        `from_args` raises FileNotFoundError for a workdir without a checkpoint and InputError for
-        a bad model argument; ``generate_until`` InputError for an unsupported generation kwarg.
+    `from_args` raises FileNotFoundError for a workdir without a checkpoint and InputError for
+    a bad model argument; ``generate_until`` InputError for an unsupported generation kwarg,
+    ``loglikelihood`` for a continuation without a token of its own.
     """
 
     def __init__(
@@ -92,8 +180,10 @@ class MarsLM(TemplateLM):
         *,
         seed: int = 0,
         max_gen_toks: int = 256,
-        max_length: int = 2048,
+        max_length: int | None = None,
         batch_size: int = 1,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
     ):
         """lm_eval's model of the model ``opened`` (`sources.open`) decoding as ``options``;
         lm_eval itself builds one from its model arguments (`from_args`)."""
@@ -104,7 +194,23 @@ class MarsLM(TemplateLM):
         self.decode_kwargs = dict(  # what get_model_info reports
             **options.summary(), mask_id=opened.mask_id, eos_ids=opened.stop_ids
         )
-        self.seed, self.max_gen_toks, self.max_length = seed, max_gen_toks, max_length
+        # As HFLM: its tokenizer's special tokens, BOS and prefix token, default max_length.
+        folder = (
+            opened.path
+            if sources.is_hf_dir(opened.path)
+            else storage.join(opened.path, "tokenizer")
+        )
+        tokenizer_config = _read_json(storage.join(folder, "tokenizer_config.json"))
+        self.add_bos_token = add_bos_token
+        self._before, self._after = special_tokens(self.tokenizer, tokenizer_config, add_bos_token)
+        bos = getattr(self.tokenizer, "qwen", self.tokenizer).roles["bos_token"]
+        self._bos_text = bos  # None: the files name no bos_token
+        if prefix_token_id is None:
+            prefix_token_id = self.tokenizer.eos_id if bos is None else self.tokenizer.bos_id
+        self._prefix_id = int(prefix_token_id)
+        self._prefix_text = self.tokenizer.decode([self._prefix_id], skip_special_tokens=False)
+        self.max_length = max_length or hflm_max_length(opened.path, self.model, tokenizer_config)
+        self.seed, self.max_gen_toks = seed, max_gen_toks
         self._rendered: dict[str, list[int]] = {}  # apply_chat_template's text -> its ids
         self.accepted = self.forwards = 0
         log.info("mars_jax: %s step %d, %s", self.workdir, self.step, self.decode_kwargs)
@@ -120,8 +226,10 @@ class MarsLM(TemplateLM):
         step: int | None = None,
         seed: int = 0,
         max_gen_toks: int = 256,
-        max_length: int = 2048,
+        max_length: int | None = None,
         batch_size: int | str | None = None,
+        add_bos_token: bool | str | None = None,
+        prefix_token_id: int | None = None,
         max_batch_size=None,
         device=None,
     ) -> MarsLM:
@@ -141,6 +249,7 @@ class MarsLM(TemplateLM):
             raise InputError(f"mars_jax: batch_size must be an integer, got {batch_size!r}")
         if rows < 1:
             raise InputError(f"mars_jax: batch_size must be >= 1, got {batch_size!r}")
+        add_bos_token = _flag("add_bos_token", add_bos_token)
         opened = sources.open(workdir, block_size=block_size, step=step)
         return cls(
             opened,
@@ -149,6 +258,8 @@ class MarsLM(TemplateLM):
             max_gen_toks=max_gen_toks,
             max_length=max_length,
             batch_size=rows,
+            add_bos_token=add_bos_token,
+            prefix_token_id=prefix_token_id,
         )
 
     @classmethod
@@ -169,8 +280,10 @@ class MarsLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        """<|endoftext|>, the context of a request whose context is empty."""
-        return self.tokenizer.bos_id
+        """The context of a request whose context is empty and of the first rolling window:
+        as HFLM, the ``prefix_token_id`` model argument, else the tokenizer's bos_token, else
+        its eos_token."""
+        return self._prefix_id
 
     @property
     def tokenizer_name(self) -> str:
@@ -205,22 +318,79 @@ class MarsLM(TemplateLM):
         )
         return text
 
-    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        """The token ids of ``string`` (no BOS/EOS added; written control tokens become ids),
-        except a prefix rendered by `apply_chat_template`, whose ids are that chat's."""
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs
+    ) -> list[int]:
+        """The token ids of ``string`` as HFLM's ``tok_encode`` gives them: with the special
+        tokens the tokenizer adds (`special_tokens`: Llama 3's BOS) unless
+        ``add_special_tokens`` is False, or it is None and either ``string`` starts with the
+        prefix token's text or the model argument ``add_bos_token`` is False. Written control
+        tokens become ids, except in a prefix rendered by `apply_chat_template`, whose ids are
+        that chat's."""
+        if add_special_tokens is None:
+            add_special_tokens = (
+                not string.startswith(self._prefix_text) and self.add_bos_token is not False
+            )
+        return self._encode(string, add_special_tokens)
+
+    def _encode(self, string: str, add_special_tokens: bool) -> list[int]:
+        """``string``'s ids (a rendered chat prefix: its chat's), between the tokenizer's
+        special tokens where ``add_special_tokens``."""
         prefix = max((t for t in self._rendered if string.startswith(t)), key=len, default="")
-        if not prefix:
-            return self.tokenizer.encode(string)
         rest = string[len(prefix) :]
-        return self._rendered[prefix] + (self.tokenizer.encode(rest) if rest else [])
+        ids = self._rendered.get(prefix, []) + (self.tokenizer.encode(rest) if rest else [])
+        return self._before + ids + self._after if add_special_tokens else ids
 
     def _encode_request(self, i: int, context: str) -> list[int]:
-        """The ids of request ``i``'s context (<|endoftext|> for an empty one). Raises
-        ValueError naming the request, e.g. for a token outside a trimmed run's vocabulary."""
+        """The ids of generation request ``i``'s context as HFLM's ``tok_batch_encode`` gives
+        them (special tokens unless the context starts with the bos_token's text or
+        ``add_bos_token`` is False; the prefix token for an empty one). Raises ValueError
+        naming the request, e.g. for a token outside a trimmed run's vocabulary."""
+        specials = self.add_bos_token is not False and not (
+            self._bos_text is not None and context.startswith(self._bos_text)
+        )
         try:
-            return self.tok_encode(context) or [self.prefix_token_id]
+            return self._encode(context, specials) or [self.prefix_token_id]
         except ValueError as e:
             raise InputError(f"mars_jax: request {i}: {e}") from None
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """[(log-prob float, greedy bool)] per (context, continuation) request, encoded as
+        lm_eval's `TemplateLM` (HFLM's) encodes them: an empty context is the prefix token
+        (or the continuation's first token where that is it), else `_encode_pair` (the
+        context's trailing whitespace moves to the continuation; the continuation's ids are
+        those of context + continuation past the context's). Raises ValueError naming the
+        request for a continuation left without a token of its own (its first token spans the
+        join with the context: HFLM stops on an assertion there), or longer than max_length."""
+        encoded = []
+        for i, request in enumerate(requests):
+            context, continuation = request.args
+            where = f"mars_jax: request {i}" + (
+                f" (task {request.task_name}, doc {request.doc_id})" if request.task_name else ""
+            )
+            try:
+                if context:
+                    ctx, cont = self._encode_pair(context, continuation)
+                else:
+                    cont = self.tok_encode(continuation, add_special_tokens=False)
+                    split = bool(cont) and cont[0] == self.prefix_token_id
+                    ctx, cont = (cont[:1], cont[1:]) if split else ([self.prefix_token_id], cont)
+            except ValueError as e:
+                raise InputError(f"{where}: {e}") from None
+            if not cont:
+                shown = repr(context) if len(context) <= 80 else f"ending {context[-80:]!r}"
+                raise InputError(
+                    f"{where}: continuation {continuation!r} has no token of its own after "
+                    f"context {shown}: its first token spans the join with the context "
+                    "(lm_eval's transformers backend stops on an assertion here)"
+                )
+            if len(cont) > self.max_length:
+                raise InputError(
+                    f"{where}: continuation of {len(cont)} tokens, more than max_length "
+                    f"{self.max_length}"
+                )
+            encoded.append(((context, continuation), ctx, cont))
+        return self._loglikelihood_tokens(encoded, disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False):
         """[(log-prob float, greedy bool)] per ((context, continuation), context ids,
@@ -250,8 +420,9 @@ class MarsLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """The log-probability of each request's text after <|endoftext|>, scored in windows of
-        at most ``max_length`` tokens (lm_eval's rolling windows)."""
+        """The log-probability of each request's text (`tok_encode`: with the tokenizer's BOS,
+        as HFLM) after the prefix token, scored in windows of at most ``max_length`` tokens
+        (lm_eval's rolling windows)."""
         results = []
         for (text,) in (r.args for r in requests):
             windows = [

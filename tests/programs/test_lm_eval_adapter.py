@@ -36,7 +36,12 @@ from tests.decode_oracles import (
 from tests.helpers import python_env, run_python
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-PREFIX = ENDOFTEXT_ID  # the context of an empty-context request
+
+
+def _prefix(hf_tok) -> int:
+    """lm_eval's prefix token (the context of an empty-context request and of the first rolling
+    window): the tokenizer's bos_token, else its eos_token (the run's names no bos_token)."""
+    return hf_tok.eos_token_id if hf_tok.bos_token_id is None else hf_tok.bos_token_id
 
 
 def write_run(workdir: str, model) -> str:
@@ -64,14 +69,14 @@ def lm(run_dir):
 def _oracle_loglikelihood(hf, hf_tok, context, continuation):
     """lm_eval's rule written out: trailing whitespace of the context moves to the
     continuation; continuation ids are those of context + continuation past the context's;
-    an empty context is <|endoftext|>. Scored by transformers."""
+    an empty context is the prefix token. Scored by transformers."""
     if context:
         stripped = context.rstrip()
         continuation, context = context[len(stripped) :] + continuation, stripped
         ctx = hf_tok(context, add_special_tokens=False).input_ids
         cont = hf_tok(context + continuation, add_special_tokens=False).input_ids[len(ctx) :]
     else:
-        ctx, cont = [PREFIX], hf_tok(continuation, add_special_tokens=False).input_ids
+        ctx, cont = [_prefix(hf_tok)], hf_tok(continuation, add_special_tokens=False).input_ids
     rows = _logprobs(hf, ctx + cont)[len(ctx) - 1 : len(ctx) + len(cont) - 1]
     picked = rows[torch.arange(len(cont)), torch.tensor(cont)]
     return float(picked.sum()), bool((rows.argmax(-1) == torch.tensor(cont)).all())
@@ -114,7 +119,7 @@ def test_loglikelihood_rolling_scores_every_token_once_in_windows(lm, oracle, mo
     hf, hf_tok = oracle
     text = "Natalia sold clips to 48 of her friends in April, and then she sold half as many."
     tokens = hf_tok(text, add_special_tokens=False).input_ids
-    seq, window = [PREFIX] + tokens, 8
+    seq, window = [_prefix(hf_tok)] + tokens, 8
     assert len(tokens) > 2 * window
     # lm_eval's documented windows: token j (seq[j + 1]) is predicted once, in chunks of
     # `window` predictions; a chunk ending at prediction b reads the `window` inputs before it.
