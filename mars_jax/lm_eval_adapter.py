@@ -23,7 +23,7 @@ integer) sets the rows per decoding or scoring batch; lm_eval's ``max_batch_size
 
 Scores equal lm_eval 0.4.13's transformers backend (``HFLM``, with transformers 5) on the same
 model and requests, so that numbers are comparable with it: text is encoded with the special
-tokens the model's tokenizer adds (`special_tokens`: Llama 3's BOS, none for Qwen2.5) by HFLM's
+tokens the model's tokenizer adds (`vocab.special_tokens`: Llama 3's BOS, none for Qwen2.5) by HFLM's
 rule (`tok_encode`; ``add_bos_token=False`` adds none), an empty context is HFLM's prefix token
 (bos_token, else eos_token), and context / continuation pairs are split by lm_eval's
 ``_encode_pair``. A continuation left with no token of its own there (its first token spans the
@@ -52,7 +52,7 @@ from lm_eval.models.utils import (
 )
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
-from mars_jax import config, decode, sources, storage, vocab
+from mars_jax import config, decode, sources, storage
 from mars_jax.decode_options import DecodeOptions
 from mars_jax.detokenizer import Detokenizer
 from mars_jax.errors import InputError
@@ -96,38 +96,6 @@ def hflm_max_length(path: str, model, tokenizer_config: dict) -> int:
     return resolve_max_length(
         _namespace(hf), SimpleNamespace(model_max_length=limit), default=DEFAULT_MAX_LENGTH
     )
-
-
-def special_tokens(tok, tokenizer_config: dict, add_bos_token: bool | None):
-    """(ids before, ids after) the text that transformers' tokenizer of these files adds to an
-    encoding with ``add_special_tokens=True``, loaded as HFLM loads it (with ``add_bos_token``
-    when that model argument is given), in ``tok``'s ids. transformers (5.x) replaces the
-    tokenizer.json post-processor by ``[bos] $A [eos]`` when ``add_bos_token`` or
-    ``add_eos_token`` is given (in tokenizer_config.json or as that argument) or tokenizer.json
-    has none (a bos_token / eos_token only where the files name one); else tokenizer.json's own
-    post-processor applies (Llama 3's adds ``<|begin_of_text|>``, Qwen2.5's has none)."""
-    base = getattr(tok, "qwen", tok)  # a trimmed run's tokenizer: its Qwen2.5 one
-    backend = tok.backend
-    if (
-        add_bos_token is not None
-        or {"add_bos_token", "add_eos_token"} & set(tokenizer_config)
-        or backend.post_processor is None
-    ):
-        bos = tokenizer_config.get("add_bos_token") if add_bos_token is None else add_bos_token
-        named = base.roles["bos_token"]
-        before = [backend.token_to_id(named)] if bos and named is not None else []
-        after = [base.eos_id] if tokenizer_config.get("add_eos_token") else []
-    else:
-        plain = backend.encode("a", add_special_tokens=False).ids
-        full = backend.encode("a", add_special_tokens=True).ids
-        at = [k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain]
-        if not at:
-            raise InputError(
-                "mars_jax: the tokenizer's post-processor does not keep the text's ids together: "
-                "its special tokens cannot be added as transformers adds them"
-            )
-        before, after = full[: at[0]], full[at[0] + len(plain) :]
-    return vocab.model_ids(tok, before), vocab.model_ids(tok, after)
 
 
 def _flag(name: str, value) -> bool | None:
@@ -195,14 +163,9 @@ class MarsLM(TemplateLM):
             **options.summary(), mask_id=opened.mask_id, eos_ids=opened.stop_ids
         )
         # As HFLM: its tokenizer's special tokens, BOS and prefix token, default max_length.
-        folder = (
-            opened.path
-            if sources.is_hf_dir(opened.path)
-            else storage.join(opened.path, "tokenizer")
-        )
-        tokenizer_config = _read_json(storage.join(folder, "tokenizer_config.json"))
+        tokenizer_config = opened.tokenizer_config()
         self.add_bos_token = add_bos_token
-        self._before, self._after = special_tokens(self.tokenizer, tokenizer_config, add_bos_token)
+        self._before, self._after = opened.special_tokens(add_bos_token)
         bos = getattr(self.tokenizer, "qwen", self.tokenizer).roles["bos_token"]
         self._bos_text = bos  # None: the files name no bos_token
         if prefix_token_id is None:
@@ -322,7 +285,7 @@ class MarsLM(TemplateLM):
         self, string: str, add_special_tokens: bool | None = None, **kwargs
     ) -> list[int]:
         """The token ids of ``string`` as HFLM's ``tok_encode`` gives them: with the special
-        tokens the tokenizer adds (`special_tokens`: Llama 3's BOS) unless
+        tokens the tokenizer adds (`vocab.special_tokens`: Llama 3's BOS) unless
         ``add_special_tokens`` is False, or it is None and either ``string`` starts with the
         prefix token's text or the model argument ``add_bos_token`` is False. Written control
         tokens become ids, except in a prefix rendered by `apply_chat_template`, whose ids are

@@ -101,9 +101,20 @@ class Piece:
 class Server:
     """The request handling of `build_app`: parsing, prompt ids, and the text of each stream."""
 
-    def __init__(self, eng: engine.Engine, tok, *, model_name: str, max_waiting: int):
+    def __init__(
+        self,
+        eng: engine.Engine,
+        tok,
+        *,
+        model_name: str,
+        max_waiting: int,
+        special_tokens: tuple[list[int], list[int]] = ([], []),
+    ):
+        """``special_tokens``: the ids the tokenizer adds before and after a completions prompt's
+        text (`sources.Opened.special_tokens`: Llama 3's BOS), as transformers encodes it."""
         self.engine, self.tok, self.model_name = eng, tok, model_name
         self.max_waiting = max_waiting
+        self.special_tokens = special_tokens
         self.closing = False
 
     # -- parsing ----------------------------------------------------------------------------------
@@ -121,7 +132,8 @@ class Server:
             )
         if kind == "completions":
             self._check_length(req.prompt, "prompt")
-            ids, where = self.tok.encode(req.prompt), "prompt"
+            before, after = self.special_tokens  # the chat template writes its own
+            ids, where = before + self.tok.encode(req.prompt) + after, "prompt"
         else:
             for i, m in enumerate(req.messages):
                 self._check_length(m.text, f"messages[{i}].content")
@@ -579,7 +591,13 @@ def make_server(
         eng.warmup()
     eng.start()
     name = model_name or os.path.basename(os.path.normpath(opened.path))
-    return Server(eng, opened.tokenizer, model_name=name, max_waiting=max_waiting)
+    return Server(
+        eng,
+        opened.tokenizer,
+        model_name=name,
+        max_waiting=max_waiting,
+        special_tokens=opened.special_tokens(),
+    )
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -116,6 +116,18 @@ class Opened:
         """``eos_ids``, ``mask_id`` and ``pad_id`` as `decode.generate` and the engine take them."""
         return {"eos_ids": self.stop_ids, "mask_id": self.mask_id, "pad_id": self.pad_id}
 
+    def tokenizer_config(self) -> dict:
+        """The tokenizer files' tokenizer_config.json ({} where there is none)."""
+        folder = self.path if is_hf_dir(self.path) else storage.join(self.path, "tokenizer")
+        path = storage.join(folder, "tokenizer_config.json")
+        return json.loads(storage.read_text(path)) if storage.exists(path) else {}
+
+    def special_tokens(self, add_bos_token: bool | None = None) -> tuple[list[int], list[int]]:
+        """(ids before, ids after) the text that transformers' tokenizer of these files adds when
+        it encodes text with its special tokens (`vocab.special_tokens`: Llama 3's BOS, nothing
+        for Qwen2.5), in the model's ids."""
+        return vocab.special_tokens(self.tokenizer, self.tokenizer_config(), add_bos_token)
+
 
 def open(
     path: str,

@@ -242,3 +242,35 @@ def qwen_ids(tok, ids: Sequence[int]) -> list[int]:
     if isinstance(tok, MappedTokenizer):
         return tok.vocab.to_qwen(list(ids)).tolist()
     return [int(i) for i in ids]
+
+
+def special_tokens(tok, tokenizer_config: dict, add_bos_token: bool | None):
+    """(ids before, ids after) the text that transformers' tokenizer of these files adds to an
+    encoding with ``add_special_tokens=True``, loaded as HFLM loads it (with ``add_bos_token``
+    when that model argument is given), in ``tok``'s ids. transformers (5.x) replaces the
+    tokenizer.json post-processor by ``[bos] $A [eos]`` when ``add_bos_token`` or
+    ``add_eos_token`` is given (in tokenizer_config.json or as that argument) or tokenizer.json
+    has none (a bos_token / eos_token only where the files name one); else tokenizer.json's own
+    post-processor applies (Llama 3's adds ``<|begin_of_text|>``, Qwen2.5's has none)."""
+    base = getattr(tok, "qwen", tok)  # a trimmed run's tokenizer: its Qwen2.5 one
+    backend = tok.backend
+    if (
+        add_bos_token is not None
+        or {"add_bos_token", "add_eos_token"} & set(tokenizer_config)
+        or backend.post_processor is None
+    ):
+        bos = tokenizer_config.get("add_bos_token") if add_bos_token is None else add_bos_token
+        named = base.roles["bos_token"]
+        before = [backend.token_to_id(named)] if bos and named is not None else []
+        after = [base.eos_id] if tokenizer_config.get("add_eos_token") else []
+    else:
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        at = [k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain]
+        if not at:
+            raise InputError(
+                "mars_jax: the tokenizer's post-processor does not keep the text's ids together: "
+                "its special tokens cannot be added as transformers adds them"
+            )
+        before, after = full[: at[0]], full[at[0] + len(plain) :]
+    return model_ids(tok, before), model_ids(tok, after)

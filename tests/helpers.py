@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import tokenizers
 import torch
+from tokenizers import processors
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -24,7 +26,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from mars_jax.tokenizer import MASK_ID, MASK_TOKEN, load_tokenizer
+from mars_jax.tokenizer import MASK_ID, MASK_TOKEN, _bpe_model, _byte_to_unicode, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,3 +246,70 @@ def write_smol_layout(path, smollm2_dir):
         shutil.copy(Path(smollm2_dir) / name, Path(path) / name)
     (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     return Path(path), hf
+
+
+# A Llama 3 style Hugging Face directory (tests/programs/test_lm_eval_hflm.py, test_serve.py).
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+LLAMA3_TEMPLATE = (  # Llama 3's layout: the template writes the BOS itself
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# Words the Llama 3 style BPE spells as one token: "hello wor" + "ld" then has a token across
+# the join (" world"), as it has in Qwen2.5's vocabulary.
+LLAMA3_WORDS = ["hello", " world", " wor", " apples", " Tom", " has"]
+
+
+def write_llama3_style(path, max_position_embeddings: int = 40) -> int:
+    """A tiny Llama 3 (llama3 RoPE) with a byte-level BPE whose tokenizer.json post-processor
+    adds <|begin_of_text|>, named ``bos_token`` as Llama 3's tokenizer_config.json does.
+    Returns the BOS id."""
+    alphabet = _byte_to_unicode()
+    vocab, merges = {c: b for b, c in alphabet.items()}, []
+    for word in LLAMA3_WORDS:
+        piece = "".join(alphabet[b] for b in word.encode())
+        for i in range(2, len(piece) + 1):
+            if piece[:i] not in vocab:
+                merges.append((piece[: i - 1], piece[i - 1]))
+                vocab[piece[:i]] = len(vocab)
+    backend = _bpe_model(vocab, merges)
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS]
+    )
+    bos = backend.token_to_id("<|begin_of_text|>")
+    backend.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A",
+                pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+                special_tokens=[("<|begin_of_text|>", bos)],
+            ),
+        ]
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "model_max_length": 131072,
+        "chat_template": LLAMA3_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    model = make_hf_model(
+        3,
+        family="llama",
+        vocab_size=backend.get_vocab_size(),
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=bos,
+        eos_token_id=bos + 1,
+    )
+    model.save_pretrained(str(path))
+    return bos

@@ -11,90 +11,21 @@ context / continuation split. A continuation whose first token spans the join wi
 refuses it naming the request.
 """
 
-import json
-
 import numpy as np
 import pytest
-import tokenizers
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
-from tokenizers import processors
 
 from mars_jax.lm_eval_adapter import MarsLM
-from mars_jax.tokenizer import _bpe_model, _byte_to_unicode, load_tokenizer
-from tests.helpers import make_hf_model
+from mars_jax.tokenizer import load_tokenizer
+from tests.helpers import make_hf_model, write_llama3_style
 
 CONTEXT = 40  # max_position_embeddings of both models
-LLAMA3_SPECIALS = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-]
-LLAMA3_TEMPLATE = (  # Llama 3's layout: the template writes the BOS itself
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
-    "\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-# Words the Llama 3 style BPE spells as one token: "hello wor" + "ld" then has a token across
-# the join (" world"), as it has in Qwen2.5's vocabulary.
-LLAMA3_WORDS = ["hello", " world", " wor", " apples", " Tom", " has"]
-
 LONG = (
     "Tom has 3 apples and buys 4 more at the market on Sunday; then he gives two of them to "
     "his sister, who eats one, and he counts again. How many apples does Tom have now?"
 )
-
-
-def write_llama3_style(path) -> int:
-    """A tiny Llama 3 (llama3 RoPE) with a byte-level BPE whose tokenizer.json post-processor
-    adds <|begin_of_text|>, named ``bos_token`` as Llama 3's tokenizer_config.json does.
-    Returns the BOS id."""
-    alphabet = _byte_to_unicode()
-    vocab, merges = {c: b for b, c in alphabet.items()}, []
-    for word in LLAMA3_WORDS:
-        piece = "".join(alphabet[b] for b in word.encode())
-        for i in range(2, len(piece) + 1):
-            if piece[:i] not in vocab:
-                merges.append((piece[: i - 1], piece[i - 1]))
-                vocab[piece[:i]] = len(vocab)
-    backend = _bpe_model(vocab, merges)
-    backend.add_special_tokens(
-        [tokenizers.AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS]
-    )
-    bos = backend.token_to_id("<|begin_of_text|>")
-    backend.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single="<|begin_of_text|> $A",
-                pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
-                special_tokens=[("<|begin_of_text|>", bos)],
-            ),
-        ]
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    backend.save(str(path / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|end_of_text|>",
-        "model_max_length": 131072,
-        "chat_template": LLAMA3_TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    model = make_hf_model(
-        3,
-        family="llama",
-        vocab_size=backend.get_vocab_size(),
-        max_position_embeddings=CONTEXT,
-        bos_token_id=bos,
-        eos_token_id=bos + 1,
-    )
-    model.save_pretrained(str(path))
-    return bos
 
 
 def write_qwen2_style(path) -> None:
@@ -110,7 +41,7 @@ def family_dir(request, tmp_path_factory):
     """(style, directory, HFLM on it)."""
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "llama3":
-        bos = write_llama3_style(path)
+        bos = write_llama3_style(path, CONTEXT)
     else:
         write_qwen2_style(path)
     hflm = HFLM(pretrained=str(path), device="cpu", batch_size=1, dtype="float32")

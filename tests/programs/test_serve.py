@@ -22,11 +22,11 @@ import numpy as np
 import openai
 import pytest
 
-from mars_jax import serve, train
+from mars_jax import serve, sources, train
 from mars_jax.tokenizer import load_tokenizer
 from tests.decode_oracles import make_model, qwen_engine, qwen_generate
 from tests.decoding.test_engine import FaultyDecoder, wait_until
-from tests.helpers import ROOT, python_env, run_python, write_released
+from tests.helpers import ROOT, python_env, run_python, write_llama3_style, write_released
 from tests.train_runs import get_config
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 4, 64, 24
@@ -758,6 +758,36 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"error: --host/--port: cannot listen on 127.0.0.1:{port}: "), line
+
+
+def test_a_completions_prompt_gets_the_bos_its_tokenizer_adds(tmp_path):
+    """On a Llama 3 style directory (its tokenizer adds <|begin_of_text|>), a completions prompt
+    is encoded as transformers encodes it: prompt_tokens and the greedy completion are those of
+    transformers on the same directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bos = write_llama3_style(tmp_path, max_position_embeddings=64)
+    prompt, budget = "Tom has 3 apples", 6
+    ids = AutoTokenizer.from_pretrained(tmp_path)(prompt).input_ids
+    assert ids[0] == bos
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=budget, do_sample=False)
+    expected = [t for t in out[0, len(ids) :].tolist() if t != hf.config.eos_token_id]
+
+    opened = sources.open(str(tmp_path), block_size=1)
+    options = opened.options(max_new_tokens=budget, threshold=1.0)
+    server = serve.make_server(opened, options, slots=1, max_prompt_len=32, max_waiting=4)
+    running = serve.Background(serve.build_app(server))
+    try:
+        status, body = post(running, "/v1/completions", {"prompt": prompt, "max_tokens": budget})
+    finally:
+        running.close()
+        server.engine.stop()
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["text"] == opened.tokenizer.decode(expected)
 
 
 def test_control_tokens_spelled_in_a_message_stay_text(live, tok):
