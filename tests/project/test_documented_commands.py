@@ -467,6 +467,24 @@ REGISTRY = [
         NotRun("a Slurm batch script: needs a Slurm cluster with GPU nodes", "A SLURM GPU cluster"),
     ),
     (
+        "gcs_emulator",
+        r"python tests/gcs_emulator\.py .*"
+        r"|python -m mars_jax\.train .*--workdir=gs://my-bucket/\S+( .*)?",
+        Smoke(
+            "run_gcs_emulator",
+            "the emulator on a free port and a temporary root; the printed exports are the "
+            "documented ones; train (2 steps, 1 layer) on its bucket commits a checkpoint there",
+        ),
+    ),
+    (
+        "gcs_requests",
+        r"python -m tests\.gcs_requests( .*)?",
+        Covered(
+            "tests/base/test_storage_listings.py::test_requests_of_a_checkpoint_save_and_restore",
+            "one repeat; the table's rows, and what the listing cache changes",
+        ),
+    ),
+    (
         "test_suite",
         r"bash \.ci/run|JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 python -m pytest .*",
         Checked(
@@ -1261,6 +1279,49 @@ def run_xm_launch(commands, request, tmp_path):
         assert [j["stage"] for j in spec["jobs"]] == stages
         config = re.search(r"--config=(\S+)", command.text).group(1)
         assert all(f"--config={config}:{j['stage']}" in j["argv"] for j in spec["jobs"])
+
+
+def run_gcs_emulator(commands, request, tmp_path):
+    [serve] = [c for c in commands if c.text.startswith("python tests/gcs_emulator.py")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = re.search(r"--root=(\S+)", serve.text).group(1)
+    argv, environ = prepare(serve, subs={root: tmp_path / "gcs"})
+    argv = [f"--port={port}" if a.startswith("--port=") else a for a in argv]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stdout=subprocess.PIPE, text=True)
+    try:
+        exports = []
+        for line in proc.stdout:  # the exports, then "# serving ..." once it answers
+            if line.startswith("# serving "):
+                break
+            exports.append(line.strip())
+        assert proc.poll() is None, exports
+        # What it prints is what the docs tell to export (the documented port there).
+        documented = (ROOT / serve.file).read_text()
+        for line in exports:
+            assert line.replace(f":{port}", ":4443") in documented, line
+        env = dict(e.removeprefix("export ").split("=", 1) for e in exports)
+        assert env["STORAGE_EMULATOR_HOST"] == f"http://127.0.0.1:{port}", env
+        for command in commands:
+            if command is serve:
+                continue
+            workdir = re.search(r"--workdir=gs://(\S+)", command.text).group(1)
+            proc_run = run_command(command, TRAIN_SMOKE + MODEL_SMOKE, env=env, timeout=120)
+            steps = tmp_path / "gcs" / workdir / "checkpoints"
+            committed = [p.name for p in steps.iterdir() if (p / "commit_success.txt").exists()]
+            assert committed == ["2"], (committed, proc_run.stderr[-3000:])
+            # The last export turns off gcsfs's bucket-type probe (and its warning).
+            assert "Could not determine bucket type" not in proc_run.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        with socket.socket() as s:  # the server stopped with it: nothing listens on its port
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (closed connections may)
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _order(entry: str) -> int:
