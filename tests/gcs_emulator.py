@@ -19,7 +19,9 @@ its objects under ``/tmp/gcs/my-bucket`` (kept across restarts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import signal
 import socket
@@ -125,6 +127,27 @@ class GcsEmulator:
         """Where the server keeps object ``gs://bucket/name`` on disk (to corrupt it in tests)."""
         bucket, _, name = url.removeprefix("gs://").partition("/")
         return self.root / bucket / name
+
+
+@contextlib.contextmanager
+def serving(root: Path, bucket: str):
+    """A started emulator with bucket ``bucket``, this process's clients pointed at it (its
+    `GcsEmulator.env` in os.environ) until the block ends, then the variables restored and the
+    server stopped."""
+    emulator = GcsEmulator(root)
+    emulator.start()
+    saved = {k: os.environ.get(k) for k in emulator.env}
+    os.environ.update(emulator.env)
+    try:
+        emulator.create_bucket(bucket)
+        yield emulator
+    finally:
+        emulator.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def logged_requests(log: Path) -> list[tuple[str, str]]:

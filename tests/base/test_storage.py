@@ -29,7 +29,7 @@ from mars_jax.errors import NotFound
 from mars_jax.metrics import MetricsWriter
 from mars_jax.rows import read_rows
 from mars_jax.tokenizer import load_tokenizer
-from tests.gcs_emulator import GcsEmulator
+from tests.gcs_emulator import serving
 from tests.helpers import ROOT, python_env
 from tests.train_runs import cli_flags, flat_params, get_config
 from tests.training.test_checkpoints import (
@@ -48,18 +48,8 @@ BUCKET = "runs"
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     """The emulator, with this process's clients pointed at it and bucket ``runs``."""
-    emulator = GcsEmulator(tmp_path_factory.mktemp("gcs"))
-    emulator.start()
-    saved = {k: os.environ.get(k) for k in emulator.env}
-    os.environ.update(emulator.env)
-    emulator.create_bucket(BUCKET)
-    yield emulator
-    emulator.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with serving(tmp_path_factory.mktemp("gcs"), BUCKET) as emulator:
+        yield emulator
 
 
 def fresh(name: str) -> str:

@@ -6,7 +6,6 @@ HTTP requests of a checkpoint save and restore (tests/gcs_requests.py) stay what
 docs/reliability.md says.
 """
 
-import os
 import subprocess
 import sys
 import uuid
@@ -14,7 +13,7 @@ import uuid
 import pytest
 
 from mars_jax import storage
-from tests.gcs_emulator import GcsEmulator
+from tests.gcs_emulator import serving
 from tests.helpers import ROOT, python_env
 
 BUCKET = "listings"
@@ -23,18 +22,8 @@ BUCKET = "listings"
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     """The emulator, with this process's clients pointed at it and bucket ``listings``."""
-    emulator = GcsEmulator(tmp_path_factory.mktemp("gcs"))
-    emulator.start()
-    saved = {k: os.environ.get(k) for k in emulator.env}
-    os.environ.update(emulator.env)
-    emulator.create_bucket(BUCKET)
-    yield emulator
-    emulator.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with serving(tmp_path_factory.mktemp("gcs"), BUCKET) as emulator:
+        yield emulator
 
 
 def in_another_process(gcs, code: str, env=None) -> subprocess.CompletedProcess:
