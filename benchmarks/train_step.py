@@ -2,6 +2,21 @@ r"""Train-step speed of the AR and MARS objectives at equal batch and length, si
 
   PYTHONPATH=. python benchmarks/train_step.py --config=configs/tiny.py [--steps=10] \
       [--peak_flops=...]
+  PYTHONPATH=. python benchmarks/train_step.py --config=configs/smollm2_gsm8k.py --data \
+      --max_lengths=256,512 --packing=false,true [--steps=3] [--json_out=FILE]
+
+With ``--data``, the batch is real: the config's training rows (``data.train_path`` in
+``data.source``'s format, or its synthetic problems) tokenized by the run's tokenizer as
+training does, at each of ``--max_lengths``, unpacked and packed (``--packing``,
+`mars_jax.packing`); the model's shape is ``init_from``'s when set (its config.json only: the
+weights stay random, `common.random_params`), else ``config.model``. One row per (max length,
+packing, objective): padding (the fraction of the epoch's token slots that hold no row's
+token), rows per step and steps per epoch at ``train.batch_size`` rows or packed sequences,
+step time (median of ``--steps`` after a compiling one, the two packings and objectives of a
+length alternating), and labelled tokens per second: the epoch's labelled targets per step
+over the step time, the measure that packing changes (an unpacked and a packed step of one
+length have the same shape; the packed one holds more rows). The last column is that rate
+against the same objective unpacked at the same length.
 
 Builds the jitted train step of the config (`train_step.build_train_step`: its mesh, gradient
 accumulation and AdamW update) once per objective, with random parameters of ``config.model``
@@ -47,12 +62,12 @@ import numpy as np
 from absl import flags
 
 from benchmarks import common
-from mars_jax import cli, sharding, train_step
+from mars_jax import cli, packing, sharding, train, train_step
 from mars_jax import config as config_lib
-from mars_jax.batches import Example
+from mars_jax.batches import Example, batched_dataset
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.model import ModelConfig, abstract_params
-from mars_jax.tokenizer import MASK_ID
+from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
 
 def step_flops(
@@ -113,19 +128,31 @@ def synthetic_batch(
     return {"input_ids": ids, "labels": labels}
 
 
-def prepare(cfg, objective: str, batch: dict) -> tuple[Callable[[], tuple[float, float]], int]:
+def prepare(
+    cfg,
+    objective: str,
+    batch: dict,
+    model_cfg: ModelConfig | None = None,
+    units=None,
+    mask_id: int | None = None,
+) -> tuple[Callable[[], tuple[float, float]], int]:
     """The train step of ``objective`` for run config ``cfg`` on ``batch`` (host arrays), with
     fresh random parameters and optimizer state: (a function that runs one step, waits for it
-    and returns (seconds, loss), the max_label_tokens the step was built with)."""
+    and returns (seconds, loss), the max_label_tokens the step was built with).
+
+    ``model_cfg`` defaults to ``cfg.model``; ``units`` (the examples or packed sequences the
+    batch was drawn from) to the batch's own rows, ``mask_id`` to `mask_id_for`."""
     c = cfg.copy_and_resolve_references()
     c.objective.name = objective
     c.init_from = ""
-    model_cfg = ModelConfig(**c.model)
-    examples = [
-        Example(ids, labels, r)
-        for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))
-    ]
-    obj = train_step.objective_settings(c, mask_id_for(model_cfg.vocab_size), examples)
+    model_cfg = model_cfg or ModelConfig(**c.model)
+    if units is None:
+        units = [
+            Example(ids, labels, r)
+            for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"]))
+        ]
+    mask_id = mask_id_for(model_cfg.vocab_size) if mask_id is None else mask_id
+    obj = train_step.objective_settings(c, mask_id, units)
     mesh, rules = sharding.mesh_from_config(c.mesh)
     graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, _ = train_step.optimizer(c, num_steps=1000)  # the schedule does not change the cost
@@ -201,6 +228,105 @@ def benchmark(
     return out
 
 
+def data_units(cfg, model_length: int, packed: bool, tok) -> tuple[list, list]:
+    """(the training examples at max length ``model_length``, the units a batch is made of:
+    those examples, or their packed sequences)."""
+    c = cfg.copy_and_resolve_references()
+    c.data.max_length = model_length
+    examples = train.load_train_examples(c, tok)
+    return examples, (train.pack_examples(c, examples) if packed else examples)
+
+
+def targets(unit) -> int:
+    """Labelled targets of an example or packed sequence: labelled tokens but a row's first
+    (`objectives.target_positions`)."""
+    labelled = np.asarray(unit.labels) != IGNORE_INDEX
+    if isinstance(unit, packing.Packed):  # a packed row's first token is no target either
+        starts = np.flatnonzero(np.diff(unit.segment_ids, prepend=-1))
+        return int(labelled.sum() - labelled[starts].sum())
+    return int(labelled[1:].sum())
+
+
+def benchmark_data(cfg, *, steps: int, max_lengths: list[int], packings: list[bool]) -> list[dict]:
+    """The real-data table (module docstring): prints it and returns its rows."""
+    tok = load_tokenizer(train.tokenizer_source(cfg))
+    model_cfg = train.with_mask_row(cfg, train.model_config(cfg), tok)
+    rows = cfg.train.batch_size
+    print(
+        f"{jax.devices()[0].device_kind} x {len(jax.devices())}: {cfg.data.train_path or 'synthetic'}"
+        f" rows, batch {rows}, model {model_cfg.num_layers} x {model_cfg.hidden_size} "
+        f"({model_cfg.vocab_size} rows), block size {cfg.objective.block_size}, dtype "
+        f"{model_cfg.dtype}, attention {model_cfg.attention}, remat {model_cfg.remat}"
+    )
+    out = []
+    for length in max_lengths:
+        setups = {}
+        for packed in packings:
+            examples, units = data_units(cfg, length, packed, tok)
+            c = cfg.copy_and_resolve_references()
+            c.data.max_length, c.data.packing = length, packed
+            batch = batched_dataset(
+                units, batch_size=rows, max_length=length, seed=c.seed, pad_id=tok.pad_id
+            )[0]
+            batch.pop("row_ids")
+            per_unit = len(examples) / len(units)
+            stats = {
+                "max_length": length,
+                "packing": packed,
+                "padding": packing.padding_fraction(units, length),
+                "rows_per_step": per_unit * rows,
+                "steps_per_epoch": len(units) // rows,
+                "label_tokens_per_step": sum(map(targets, units)) / len(units) * rows,
+            }
+            for objective in ("ar", "mars"):
+                run, _ = prepare(c, objective, batch, model_cfg, units, tok.mask_id)
+                run()  # compiles
+                common.progress(f"{length} packing={packed} {objective}: compiled and ran a step")
+                setups[(packed, objective)] = (run, stats, [])
+        for _ in range(steps):  # alternating, so that a busy machine slows all alike
+            for run, _, times in setups.values():
+                seconds, loss = run()
+                if not np.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss}")
+                times.append(seconds)
+        for (packed, objective), (_, stats, times) in setups.items():
+            step_s = statistics.median(times)
+            out.append(
+                {
+                    **stats,
+                    "objective": objective,
+                    "step_s": step_s,
+                    "label_tokens_per_s": stats["label_tokens_per_step"] / step_s,
+                }
+            )
+        mine = out[-len(setups) :]
+        for row in mine:
+            base = [r for r in mine if r["objective"] == row["objective"] and not r["packing"]]
+            row["vs_unpacked"] = (
+                row["label_tokens_per_s"] / (base or [row])[0]["label_tokens_per_s"]
+            )
+            if row is out[0]:
+                print(DATA_HEADER)
+            print(format_data_row(row), flush=True)
+    return out
+
+
+DATA_HEADER = (
+    "| max_length | packing | objective | padding | rows/step | steps/epoch | step time (s) | "
+    "labelled tokens/step | labelled tokens/s | vs unpacked |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def format_data_row(row: dict) -> str:
+    return (
+        f"| {row['max_length']} | {'yes' if row['packing'] else 'no'} | {row['objective']} | "
+        f"{row['padding']:.1%} | {row['rows_per_step']:.2f} | {row['steps_per_epoch']} | "
+        f"{row['step_s']:.2f} | {row['label_tokens_per_step']:.0f} | "
+        f"{row['label_tokens_per_s']:.1f} | {row['vs_unpacked']:.2f}x |"
+    )
+
+
 def main() -> None:
     config = cli.config_flag(help="Run config (model, batch, length, objective, mesh).")
     steps = flags.DEFINE_integer("steps", 10, "Timed steps per objective (median reported).")
@@ -213,8 +339,29 @@ def main() -> None:
     matmul_size = flags.DEFINE_integer(
         "matmul_size", 2048, "Side of the square matmul that measures the peak."
     )
+    data = flags.DEFINE_bool(
+        "data", False, "Batches of the config's training rows (real lengths; module docstring)."
+    )
+    max_lengths = flags.DEFINE_list(
+        "max_lengths", None, "With --data: max lengths to measure (default: data.max_length)."
+    )
+    packings = flags.DEFINE_list("packing", ["false", "true"], "With --data: packing off / on.")
+    json_out = flags.DEFINE_string("json_out", "", "With --data: also write the rows here.")
 
     def run():
+        if data.value:
+            config_lib.validate(config.value, training=True)  # reads its rows
+            lengths = [int(x) for x in max_lengths.value or [config.value.data.max_length]]
+            table = benchmark_data(
+                config.value,
+                steps=steps.value,
+                max_lengths=lengths,
+                packings=[p.lower() in ("true", "1", "yes") for p in packings.value],
+            )
+            if json_out.value:
+                with open(json_out.value, "w") as f:
+                    json.dump(table, f, indent=1)
+            return
         config_lib.validate(config.value, training=True, paths=False)  # synthetic batches only
         rows = benchmark(
             config.value,

@@ -17,12 +17,17 @@ softmax, by one of `IMPLEMENTATIONS` (``ModelConfig.attention``):
 - "cudnn": cuDNN's fused attention through ``jax.nn.dot_product_attention(implementation=
   "cudnn")`` (NVIDIA GPUs only; not exercised on CPU).
 
+Packed sequences (several rows in one, `mars_jax.packing`) pass a `Segmented` mask: a static
+pattern and segment ids, a query attending only to keys of its own segment; splash takes the
+segment ids as its kernel's ``SegmentIds``, the other implementations fold them into the mask.
+
 Shapes: R rows, T queries, S keys, N query heads, K KV heads (N % K == 0), H head dim.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.core.spmd
 import jax
@@ -34,6 +39,21 @@ from mars_jax.errors import InputError
 
 IMPLEMENTATIONS = ("xla", "chunked", "splash", "cudnn")
 QUERY_CHUNK = 128  # queries per block of the "chunked" implementation
+
+
+class Segmented(NamedTuple):
+    """A self-attention mask of packed sequences: query t may attend to key s where the static
+    ``pattern`` (numpy bool [T, S] or [1, T, S], as for an unpacked row) allows it and both lie
+    in the same segment: ``segment_ids`` int32 [R, T] (T == S), one id per packed row (padding
+    its own segment)."""
+
+    pattern: np.ndarray
+    segment_ids: jax.Array
+
+    def dense(self) -> jax.Array:
+        """The mask as bool [R, T, S]."""
+        same = self.segment_ids[:, :, None] == self.segment_ids[:, None, :]
+        return jnp.asarray(self.pattern).reshape(self.pattern.shape[-2:])[None] & same
 
 
 def attend(
@@ -48,17 +68,19 @@ def attend(
     """Grouped-query attention: q [R, T, N, H], k and v [R, S, K, H] -> [R, T, N, H] in q's dtype.
 
     ``mask``: bool, broadcastable to [R, T, S], True where query t may attend to key s; for
-    "splash" a numpy array [T, S] or [1, T, S] (the same pattern for every row and head).
-    Every query must be allowed at least one key.
+    "splash" a numpy array [T, S] or [1, T, S] (the same pattern for every row and head); or a
+    `Segmented` mask (packed sequences). Every query must be allowed at least one key.
 
     Raises ValueError for an unknown implementation, or "splash" with a traced or per-row mask.
     """
+    if implementation == "splash":
+        return _splash(q, k, v, mask, interpret=interpret)
+    if isinstance(mask, Segmented):
+        mask = mask.dense()
     if implementation == "xla":
         return _dense(q, k, v, mask)
     if implementation == "chunked":
         return _chunked(q, k, v, mask)
-    if implementation == "splash":
-        return _splash(q, k, v, mask, interpret=interpret)
     if implementation == "cudnn":
         return _dense(q, k, v, mask, fused="cudnn")
     raise InputError(
@@ -140,30 +162,51 @@ def _splash_kernel(mask_bytes: bytes, shape: tuple[int, int], group: int, interp
 
 
 def _splash(q, k, v, mask, *, interpret: bool):
-    pattern = _static_mask(mask)
+    segment_ids = mask.segment_ids if isinstance(mask, Segmented) else None
+    pattern = _static_mask(mask.pattern if segment_ids is not None else mask)
     r, t, n, h = q.shape
     kv = k.shape[2]
 
-    def local(q, k, v):
+    def local(q, k, v, segment_ids=None):
         # One kernel call per (row, KV head): q [N/K, T, H], k and v [S, H].
         kernel = _splash_kernel(pattern.tobytes(), pattern.shape, n // kv, interpret)
         rows, heads = q.shape[0], k.shape[2]
         qg = q.reshape(rows, t, heads, n // kv, h).transpose(0, 2, 3, 1, 4) * (h**-0.5)
         kg, vg = (x.astype(q.dtype).transpose(0, 2, 1, 3) for x in (k, v))
-        out = jax.vmap(jax.vmap(kernel))(qg, kg, vg)  # [rows, heads, N/K, T, H]
+        if segment_ids is None:
+            out = jax.vmap(jax.vmap(kernel))(qg, kg, vg)  # [rows, heads, N/K, T, H]
+        else:  # a row's segment ids, the same for each of its KV heads
+
+            def row(q, k, v, ids):
+                segments = _segment_ids(ids)
+                return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=segments))(q, k, v)
+
+            out = jax.vmap(row)(qg, kg, vg, segment_ids)
         return out.transpose(0, 3, 1, 2, 4).reshape(rows, t, heads * (n // kv), h).astype(q.dtype)
 
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     if jax.sharding.get_abstract_mesh().empty:
-        return local(q, k, v)
+        return local(*args)
     rules = dict(flax.core.spmd.get_logical_axis_rules())
     batch, heads, kv_heads = rules.get("batch"), rules.get("heads"), rules.get("kv_heads")
+    specs = (
+        P(batch, None, heads, None),
+        P(batch, None, kv_heads, None),
+        P(batch, None, kv_heads, None),
+        P(batch, None),
+    )
     return jax.shard_map(
         local,
-        in_specs=(
-            P(batch, None, heads, None),
-            P(batch, None, kv_heads, None),
-            P(batch, None, kv_heads, None),
-        ),
+        in_specs=specs[: len(args)],
         out_specs=P(batch, None, heads, None),
         check_vma=False,
-    )(q, k, v)
+    )(*args)
+
+
+def _segment_ids(ids: jax.Array):
+    """The splash kernel's ``SegmentIds`` of one row's self-attention: ids [T] for both."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+    )
+
+    return kernel_lib.SegmentIds(q=ids, kv=ids)

@@ -22,6 +22,7 @@ from mars_jax.chat import (
 )
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.errors import InputError
+from mars_jax.packing import Packed
 from mars_jax.rows import SYNTHETIC, load_rows
 from mars_jax.tokenizer import ENDOFTEXT_ID, TemplateTimeout
 
@@ -113,20 +114,40 @@ def build_examples(
     return examples, skips
 
 
-def _collate(batch: list[Example], *, batch_size: int, max_length: int, pad_id: int) -> dict:
+def _collate(batch: list, *, batch_size: int, max_length: int, pad_id: int, max_rows: int) -> dict:
     """Stacks examples into int32[batch_size, max_length] arrays; missing rows and positions are
     padded with `pad_id` / IGNORE_INDEX. `row_ids` int32[batch_size]: each example's source row,
-    -1 for a padding row."""
+    -1 for a padding row.
+
+    Packed sequences (`packing.Packed`) add ``positions`` and ``segment_ids`` (0 where padded),
+    and their `row_ids` are int32[batch_size, max_rows]: the source row of each segment, -1
+    past the last."""
     input_ids = np.full((batch_size, max_length), pad_id, np.int32)
     labels = np.full((batch_size, max_length), IGNORE_INDEX, np.int32)
-    row_ids = np.full(batch_size, -1, np.int32)
-    for i, (ids, lab, row) in enumerate(batch):
-        input_ids[i, : len(ids)], labels[i, : len(lab)], row_ids[i] = ids, lab, row
-    return {"input_ids": input_ids, "labels": labels, "row_ids": row_ids}
+    if not max_rows:
+        row_ids = np.full(batch_size, -1, np.int32)
+        for i, (ids, lab, row) in enumerate(batch):
+            input_ids[i, : len(ids)], labels[i, : len(lab)], row_ids[i] = ids, lab, row
+        return {"input_ids": input_ids, "labels": labels, "row_ids": row_ids}
+    positions = np.zeros((batch_size, max_length), np.int32)
+    segment_ids = np.zeros((batch_size, max_length), np.int32)
+    row_ids = np.full((batch_size, max_rows), -1, np.int32)
+    for i, seq in enumerate(batch):
+        n = len(seq.input_ids)
+        input_ids[i, :n], labels[i, :n] = seq.input_ids, seq.labels
+        positions[i, :n], segment_ids[i, :n] = seq.positions, seq.segment_ids
+        row_ids[i, : len(seq.rows)] = seq.rows
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "positions": positions,
+        "segment_ids": segment_ids,
+        "row_ids": row_ids,
+    }
 
 
 def batched_dataset(
-    examples: list[Example],
+    examples: list,
     *,
     batch_size: int,
     max_length: int,
@@ -143,7 +164,9 @@ def batched_dataset(
     Each element is `{"input_ids": int32[batch_size, max_length], "labels": int32[batch_size,
     max_length], "row_ids": int32[batch_size]}` padded with `pad_id` (`<|endoftext|>`),
     IGNORE_INDEX and -1 (`row_ids`: each example's `Example.row`; host-side only, not a model
-    input). Examples are shuffled
+    input). ``examples`` may instead be packed sequences (`packing.pack`): then each element
+    also holds ``positions`` and ``segment_ids`` and its ``row_ids`` name every segment's row
+    (`_collate`), and a "row" of the batch is a packed sequence. Examples are shuffled
     per epoch (grain reseeds the shuffle for every repetition: a different permutation each
     epoch, deterministic in `seed`), batched within an epoch (`drop_remainder` drops an epoch's
     last partial batch; otherwise it is filled with padding rows), and repeated `num_epochs`
@@ -171,9 +194,14 @@ def batched_dataset(
     if any(not 0 <= r < batch_size for r in rows) or list(rows) != sorted(set(rows)):
         raise InputError(f"rows {list(rows)} must be ascending and lie in [0, {batch_size})")
 
-    def collate(batch: list[Example]) -> dict:
+    packed = isinstance(examples[0], Packed)
+    max_rows = max(len(e.rows) for e in examples) if packed else 0
+
+    def collate(batch: list) -> dict:
         mine = [batch[r] for r in rows if r < len(batch)]
-        return _collate(mine, batch_size=len(rows), max_length=max_length, pad_id=pad_id)
+        return _collate(
+            mine, batch_size=len(rows), max_length=max_length, pad_id=pad_id, max_rows=max_rows
+        )
 
     return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=collate).repeat(num_epochs)
 

@@ -87,6 +87,10 @@ def defaults(stage: str = "ar") -> ml_collections.ConfigDict:
                 "eval_format": "",  # row format of eval_path; "" = that of the training data
                 "num_synthetic_train": 4000,  # synthetic training problems (source "synthetic")
                 "max_length": 128,  # a multiple of objective.block_size
+                # Training rows packed first-fit into sequences of max_length (mars_jax/packing.py):
+                # no row attends to another, the loss is normalised per row. train.batch_size then
+                # counts packed sequences per step, not rows. Evaluation stays one row per row.
+                "packing": False,
                 "all_assistant_turns": False,  # label every assistant turn, not only the last
                 # JSON Lines training files: the largest fraction of non-blank lines that may hold no
                 # row (invalid JSON or UTF-8, not an object); such lines are skipped, counted and
@@ -275,6 +279,14 @@ def _check_objective(cfg) -> None:
         raise SettingError(
             "objective.noisy_weighting", o.noisy_weighting, "needs objective.name='mars'"
         )
+    if o.noisy_weighting != "none" and d.packing:
+        raise SettingError(
+            "objective.noisy_weighting",
+            o.noisy_weighting,
+            "draws one weight per row of a batch: it needs data.packing=False",
+        )
+    if not isinstance(d.packing, bool):
+        raise SettingError("data.packing", d.packing, "must be True or False")
     if not isinstance(o.block_size, int) or o.block_size <= 0:
         raise SettingError("objective.block_size", o.block_size, "must be a positive integer")
     if o.block_size > d.max_length or d.max_length % o.block_size:

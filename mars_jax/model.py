@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from mars_jax.attention import IMPLEMENTATIONS, attend
+from mars_jax.attention import IMPLEMENTATIONS, Segmented, attend
 from mars_jax.kv_cache import KVCache, write_window
 from mars_jax.sharding import Rules, check_heads, param_shardings, with_logical_constraint
 
@@ -298,7 +298,8 @@ class Qwen2(nnx.Module):
           input_ids: int32 [R, T] token ids (< vocab_size).
           positions: int32 [R, T] rotary position ids (any values; the MARS layout repeats 0..L-1).
           mask: bool, broadcastable to [R, T, S]; True where query t may attend to key s. Without a
-            cache S = T (keys are the inputs); with one, S is the number of cache slots.
+            cache S = T (keys are the inputs); with one, S is the number of cache slots. Or an
+            `attention.Segmented` mask (packed rows, no cache).
           cache: optional KV cache from `mars_jax.kv_cache.init_cache`; new keys/values are
             written before attending.
           cache_index: int32 [R], first slot written for each row; None writes every row from
@@ -308,6 +309,8 @@ class Qwen2(nnx.Module):
           (hidden states [R, T, D] after the final norm, in ``dtype``; updated cache or None).
         """
         cfg = self.cfg
+        if isinstance(mask, Segmented) and cfg.attention != "splash":
+            mask = mask.dense()  # once, not in every layer (splash takes the segment ids)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, inverse_frequencies(cfg))
         x = with_logical_constraint(self.embed_tokens(input_ids), ACTIVATION_AXES)
         graphdef, stacked = nnx.split(self.layers)

@@ -48,6 +48,7 @@ from mars_jax import (
     distributed,
     huggingface,
     objectives,
+    packing,
     platforms,
     sharding,
     sources,
@@ -222,6 +223,38 @@ def load_train_examples(cfg, tok):
     return examples
 
 
+def pack_examples(cfg, examples) -> list[packing.Packed]:
+    """``examples`` packed into sequences of ``data.max_length`` (`packing.pack`, seeded by
+    ``cfg.seed``), logged with the padding they save.
+
+    Raises SettingError when ``objective.max_label_tokens`` is set and a packed sequence holds
+    more labelled tokens (its loss would drop some)."""
+    d = cfg.data
+    sequences = packing.pack(
+        examples, max_length=d.max_length, block_size=cfg.objective.block_size, seed=cfg.seed
+    )
+    most = max(int((s.labels != IGNORE_INDEX).sum()) for s in sequences)
+    cap = cfg.objective.max_label_tokens
+    if cap and most > cap:
+        raise SettingError(
+            "objective.max_label_tokens",
+            cap,
+            f"a packed sequence of data.max_length={d.max_length} holds {most} labelled "
+            f"tokens: set it to 0 (the most of any packed sequence) or to at least {most}",
+        )
+    logging.info(
+        "packing: %d rows in %d sequences of %d tokens (%.2f rows each); padding %.1f%% of "
+        "the tokens, %.1f%% unpacked",
+        len(examples),
+        len(sequences),
+        d.max_length,
+        len(examples) / len(sequences),
+        100 * packing.padding_fraction(sequences, d.max_length),
+        100 * packing.padding_fraction(examples, d.max_length),
+    )
+    return sequences
+
+
 def build_vocab_map(cfg, workdir: str, tok, examples) -> vocab.VocabMap:
     """The id map of a trimmed run (``data.trim_vocab``): the one saved in ``workdir`` (a
     resumed run) or in ``init_from`` (a trimmed run continued), else built (`vocab.build`) from
@@ -299,22 +332,25 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     model_cfg = with_mask_row(cfg, model_cfg, tok)
     check_token_rows(tok, model_cfg.vocab_size, tokenizer_source(cfg) or "the Qwen2.5 tokenizer")
     t = cfg.train
-    if len(examples) < t.batch_size:
+    # What a batch is made of: the examples, or the sequences they are packed into.
+    units = pack_examples(cfg, examples) if cfg.data.packing else examples
+    if len(units) < t.batch_size:
+        what = "packed sequences" if cfg.data.packing else "examples"
         raise SettingError(
             "train.batch_size",
             t.batch_size,
-            f"{len(examples)} examples cannot fill a batch of {t.batch_size}",
+            f"{len(units)} {what} cannot fill a batch of {t.batch_size}",
         )
-    num_steps = t.num_steps or max(1, int(t.num_epochs * (len(examples) // t.batch_size)))
+    num_steps = t.num_steps or max(1, int(t.num_epochs * (len(units) // t.batch_size)))
 
-    obj = train_step.objective_settings(cfg, tok.mask_id, examples)
+    obj = train_step.objective_settings(cfg, tok.mask_id, units)
     mesh, rules = sharding.mesh_from_config(cfg.mesh)
     graphdef, abstract = abstract_params(model_cfg, mesh, rules)
     tx, schedule = train_step.optimizer(cfg, num_steps)
     step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
     rows = distributed.process_rows(step.batch_sharding, t.batch_size)
     dataset = batched_dataset(
-        examples,
+        units,
         batch_size=t.batch_size,
         max_length=cfg.data.max_length,
         seed=cfg.seed,
@@ -364,11 +400,12 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         logging.info("%s is already at step %d of %d: nothing to do", workdir, start, num_steps)
     else:
         logging.info(
-            "training %s from step %d to %d (%d examples, batch %d, loss at <= %d positions/row)",
+            "training %s from step %d to %d (%d %s, batch %d, loss at <= %d positions/row)",
             cfg.objective.name,
             start,
             num_steps,
-            len(examples),
+            len(units),
+            "packed sequences" if cfg.data.packing else "examples",
             t.batch_size,
             obj.max_label_tokens,
         )
@@ -464,7 +501,7 @@ class Trainer:
         row_ids = local.pop("row_ids")  # host-side only, not a step input
         batch = distributed.global_batch(local, self.step.batch_sharding, t.batch_size)
         self.position += 1
-        self.tokens = self.tokens + _batch_tokens(batch["labels"])
+        self.tokens = self.tokens + _batch_tokens(batch)
         self.params, self.opt_state, values = self.step.fn(self.params, self.opt_state, batch)
         done = i + 1
         self.skips.add(done, values["skipped"], row_ids)
@@ -539,7 +576,8 @@ class SkippedSteps:
 
     def add(self, step: int, skipped: jax.Array, row_ids: np.ndarray) -> None:
         """Reads the flag of the step before (`check`), then keeps this one: step number (1-based),
-        bool scalar, and int32 source row ids of this process's rows of its batch (-1: padding).
+        bool scalar, and int32 source row ids of this process's rows of its batch (-1: padding;
+        [rows, segments] for packed sequences).
         """
         self.check()
         self._pending = (step, skipped, row_ids)
@@ -560,7 +598,7 @@ class SkippedSteps:
             return
         self.total += 1
         self.consecutive += 1
-        rows = [int(r) for r in row_ids if r >= 0]
+        rows = [int(r) for r in np.ravel(row_ids) if r >= 0]
         whose = f"process {jax.process_index()}'s " if jax.process_count() > 1 else ""
         logging.warning(
             "step %d skipped: non-finite loss or gradient norm (%d in a row, %d in all); "
@@ -648,9 +686,13 @@ def _applied_updates(opt_state) -> int:
 
 
 @jax.jit
-def _batch_tokens(labels: jax.Array) -> jax.Array:
+def _batch_tokens(batch: dict[str, jax.Array]) -> jax.Array:
     """Tokens of a global batch: each row up to its last labelled token (rows end there; batch
-    padding excluded), summed over all processes' rows. int32 scalar, replicated."""
+    padding excluded; the packed rows' tokens of a packed batch), summed over all processes'
+    rows. int32 scalar, replicated."""
+    if "segment_ids" in batch:
+        return (batch["segment_ids"] > 0).sum()
+    labels = batch["labels"]
     labelled = labels != IGNORE_INDEX
     lengths = labels.shape[1] - jnp.argmax(labelled[:, ::-1], axis=1)
     return jnp.where(labelled.any(1), lengths, 0).sum()

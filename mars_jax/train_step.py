@@ -84,14 +84,15 @@ def make_train_step(
 ):
     """A pure step (params, opt_state, batch) -> (params, opt_state, metrics).
 
-    The batch ({input_ids, labels} int32 [batch, L], plus noisy_weight fp32 [batch] with the
-    "inverse_t" weighting) is split into ``grad_accum_steps``
+    The batch ({input_ids, labels} int32 [batch, L], plus positions and segment_ids int32
+    [batch, L] when packed, noisy_weight fp32 [batch] with the "inverse_t" weighting) is split
+    into ``grad_accum_steps``
     micro-batches (`micro_batches`, lax.scan); their gradients and metrics are combined with
     weights proportional to their loss denominators, so the update equals that of the whole
     batch. The fp32 gradient accumulators are placed like the parameters when
     ``param_shardings`` is given. metrics: fp32 scalars loss (and noisy_loss / clean_loss),
-    label_tokens, grad_norm (global L2 norm of the gradient, before clipping); bool scalar
-    skipped.
+    label_tokens, rows (rows with a labelled token: packed rows counted apart), grad_norm
+    (global L2 norm of the gradient, before clipping); bool scalar skipped.
 
     A step whose loss or gradient norm is not finite is skipped: it returns ``params`` and
     ``opt_state`` unchanged (bitwise) and ``skipped`` True. The optimizer's step count is part
@@ -107,7 +108,7 @@ def make_train_step(
 
     def step(params, opt_state, batch):
         micro = micro_batches(batch, grad_accum_steps)
-        denominators = jax.vmap(lambda l: loss_denominator(l, obj.normalization))(micro["labels"])
+        denominators = jax.vmap(lambda mb: loss_denominator(mb, obj.normalization))(micro)
         weights = (denominators / jnp.maximum(denominators.sum(), 1)).astype(jnp.float32)
 
         def body(acc, inputs):
@@ -120,7 +121,8 @@ def make_train_step(
         if param_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         (grads, metrics), _ = jax.lax.scan(body, (grads, metrics), (micro, weights))
-        metrics["label_tokens"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        metrics["label_tokens"] = loss_denominator(batch, "token")
+        metrics["rows"] = loss_denominator(batch, "sequence")  # with labels; packed rows apart
         metrics["grad_norm"] = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -174,7 +176,8 @@ def build_train_step(
     """The jitted step of run config ``cfg`` on ``mesh``.
 
     Args:
-      cfg: run config (``train.batch_size``, ``train.grad_accum_steps``, ``data.max_length``).
+      cfg: run config (``train.batch_size``, ``train.grad_accum_steps``, ``data.max_length``,
+        ``data.packing``).
       graphdef, abstract_params: from `model.abstract_params` (leaves carry shardings).
       obj: the `config.ObjectiveConfig` of `objective_settings`.
       tx: the optimizer of `optimizer`.
@@ -189,6 +192,8 @@ def build_train_step(
         (t.batch_size, cfg.data.max_length), jnp.int32, sharding=batch_sharding
     )
     abstract_batch = {"input_ids": row, "labels": row}
+    if cfg.data.packing:  # rows packed into sequences (mars_jax.packing)
+        abstract_batch.update(positions=row, segment_ids=row)
     if obj.noisy_weighting == "inverse_t":  # per-row weights, placed as the rows
         abstract_batch[NOISY_WEIGHT] = jax.ShapeDtypeStruct(
             (t.batch_size,), jnp.float32, sharding=sharding.batch_sharding(mesh, rules, ndim=1)

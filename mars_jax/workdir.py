@@ -124,6 +124,9 @@ _RESUMABLE_CHANGES = (
 # Sections that only configure other commands: eval is read by `mars_jax.evaluate`, and
 # `two_stage.sh` passes the same flags to training and evaluation.
 _RESUMABLE_SECTIONS = ("eval.",)
+# Keys added to the config schema since runs were first saved, with the value that runs saved
+# before them had: such a run resumes as it was.
+_ADDED_KEYS = {"data.packing": False}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -149,7 +152,7 @@ def check_same_run(workdir: str, run_config_json: str) -> None:
     config in any key but logging/saving cadence and the distributed launch (a different batch
     size, schedule, objective, model or data would silently mix two runs). The message lists
     the differing keys."""
-    saved = _flatten(read_run_config(workdir))
+    saved = {**_ADDED_KEYS, **_flatten(read_run_config(workdir))}
     new = _flatten(json.loads(run_config_json))
     diff = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"

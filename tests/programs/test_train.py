@@ -712,3 +712,108 @@ def test_ctrl_c_in_a_command_is_one_line_and_status_130():
     code = "from mars_jax import cli; cli.run(lambda: (_ for _ in ()).throw(KeyboardInterrupt()))"
     proc = run_python("-c", code, check=False)
     assert proc.returncode == 130 and proc.stderr.strip().splitlines() == ["interrupted"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed training (data.packing).
+
+# Chat rows of very different lengths: one-word answers beside long ones.
+PACKING_ROWS = [
+    ("What is 2 + 3?", "5"),
+    ("Name a colour.", "Blue. " * 40),
+    ("Count to twenty.", " ".join(str(i) for i in range(1, 21))),
+    ("Say hi.", "Hi!"),
+    (
+        "Spell cat backwards, then explain how you did it step by step.",
+        "tac. " + "I read it. " * 15,
+    ),
+    ("Is ice cold?", "Yes."),
+]
+
+
+def packing_config(tmp_path, stage, **extra):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            )
+            + "\n"
+            for q, a in PACKING_ROWS
+        )
+    )
+    return get_config(
+        stage,
+        data__source="messages",
+        data__train_path=str(path),
+        data__eval_path=str(path),
+        data__max_length=192,
+        train__num_steps=1,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("stage", ["ar", "mars"])
+def test_a_packed_step_logs_the_loss_of_its_rows_unpacked(tmp_path, stage):
+    """One step over every row, packed into fewer sequences, logs the loss, labelled tokens and
+    row count of one step over the same rows unpacked."""
+    cfg = packing_config(tmp_path, stage, train__batch_size=len(PACKING_ROWS))
+    examples = train.load_train_examples(cfg, load_tokenizer(None))
+    assert len(examples) == len(PACKING_ROWS)
+    sequences = train.pack_examples(packing_config(tmp_path, stage, data__packing=True), examples)
+    assert len(sequences) < len(examples)
+    packed = packing_config(tmp_path, stage, data__packing=True, train__batch_size=len(sequences))
+    logged = {}
+    for name, c in (("unpacked", cfg), ("packed", packed)):
+        train.train(c, str(tmp_path / name))
+        (logged[name],) = read_metrics(str(tmp_path / name))
+    a, b = logged["packed"], logged["unpacked"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["label_tokens"] == b["label_tokens"] and a["rows"] == b["rows"] == len(examples)
+    if stage == "mars":
+        assert a["noisy_loss"] == pytest.approx(b["noisy_loss"], rel=1e-5)
+    # The packed run fed fewer tokens of padding through the model.
+    assert a["tokens_per_s"] > 0 and b["tokens_per_s"] > 0
+
+
+def test_packed_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+    """As test_resume_equals_uninterrupted_run, packed (synthetic rows at twice their length:
+    two rows a sequence): the resumed run rebuilds the same packing and ends bitwise equal."""
+    cfg = lambda: get_config("ar", data__packing=True, data__max_length=256)  # noqa: E731
+    straight = str(tmp_path / "straight")
+    train.train(cfg(), straight)
+    workdir = str(tmp_path / "resumed")
+    real_save = Checkpoints.save
+
+    def save_then_die(self, step, state):
+        real_save(self, step, state)
+        if step == 2:
+            self.close()
+            raise _Interrupted
+
+    monkeypatch.setattr(Checkpoints, "save", save_then_die)
+    with pytest.raises(_Interrupted):
+        train.train(cfg(), workdir)
+    monkeypatch.undo()
+    train.train(cfg(), workdir)
+    resumed, expected = read_metrics(workdir), read_metrics(straight)
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in expected]
+    assert all(m["rows"] > 4 for m in resumed)  # 4 sequences a step, more rows
+    a, _, _ = wd.load_model(workdir)
+    b, _, _ = wd.load_model(straight)
+    assert_same_params(a, b, atol=0)
+
+
+def test_packing_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="objective.max_label_tokens"):
+        train.train(
+            get_config(
+                "ar", data__packing=True, data__max_length=256, objective__max_label_tokens=96
+            ),
+            str(tmp_path / "cap"),
+        )
+    with pytest.raises(ValueError, match="data.packing=False"):
+        train.train(
+            get_config("mars", data__packing=True, objective__noisy_weighting="inverse_t"),
+            str(tmp_path / "weights"),
+        )

@@ -22,7 +22,17 @@ WINGS = (
     ("base", ("errors", "platforms", "common_types", "storage", "distributed", "metrics", "plots")),
     (
         "data",
-        ("synthetic", "grading", "tokenizer", "detokenizer", "rows", "chat", "vocab", "batches"),
+        (
+            "synthetic",
+            "grading",
+            "tokenizer",
+            "detokenizer",
+            "rows",
+            "chat",
+            "vocab",
+            "packing",
+            "batches",
+        ),
     ),
     ("model", ("sharding", "attention", "kv_cache", "model", "huggingface")),
     ("config", ("decode_options", "config")),
