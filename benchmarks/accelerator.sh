@@ -19,7 +19,12 @@
 #   transformers  benchmarks/decode_speed.py --model=qwen0_5b_shape: our ar and sliding
 #       decoders and transformers' generate on the same bf16 weights, batch 4 and 16;
 #   train_step_qwen0_5b  benchmarks/train_step.py: AR and MARS steps of configs/qwen0_5b.py at
-#       batch 16, length 512, MFU against the H200's 989 TFLOP/s dense bf16.
+#       batch 16, length 512, MFU against the H200's 989 TFLOP/s dense bf16;
+#   train_packed_smollm2, train_packed_qwen0_5b  benchmarks/train_step.py --data: AR and MARS
+#       steps on GSM8K's train rows packed into 16 sequences of 512 (data.packing), bf16, at
+#       SmolLM2-135M's and Qwen2.5-0.5B's shapes: labelled tokens per second. They read
+#       .accelerator_data/ (benchmarks/accelerator_data.sh makes it here; carry it), and are
+#       left out, saying so, where it is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,7 +56,13 @@ if [ "$smoke" = 1 ]; then
     --config.model.num_layers=1 --config.model.hidden_size=32
     --config.model.intermediate_size=64 --config.model.head_dim=8
     --config.data.max_length=32 --config.train.batch_size=2 --config.model.vocab_size=4096)
-  limits=(120 120 120 120)
+  # Synthetic rows (no files), packed two to a sequence of 256.
+  packed_args=(--config=configs/tiny.py --data --max_lengths=256 --packing=true --steps=1
+    --config.model.num_layers=1 --config.model.hidden_size=32
+    --config.model.intermediate_size=64 --config.model.head_dim=8
+    --config.data.num_synthetic_train=16 --config.train.batch_size=2)
+  packed_shapes=(tiny)
+  limits=(120 120 120 120 120)
 else
   # Groups in the order they matter (the paper's batches 4 and 16 and its B 8 first): a part
   # cut short keeps the groups it finished. Compilation, not the timed forwards, takes most of
@@ -63,7 +74,13 @@ else
     --shape_prompt_len=128 --shape_max_new_tokens=64 --repeats=2)
   train_args=(--config=configs/qwen0_5b.py:mars --steps=5 --peak_flops=989e12
     --config.train.batch_size=16 --config.train.grad_accum_steps=1)
-  limits=(110 150 90 140)
+  data=.accelerator_data
+  packed_args=(--data --max_lengths=512 --packing=true --steps=3 --config.model.dtype=bfloat16
+    --config.train.batch_size=16 --config.data.source=gsm8k
+    --config.data.train_path=$data/gsm8k_train.jsonl
+    --config.data.eval_path=$data/gsm8k_train.jsonl)
+  packed_shapes=(smollm2 qwen0_5b)
+  limits=(95 125 75 100 70)
 fi
 
 status=0
@@ -103,6 +120,23 @@ cat "$out/transformers/decode_speed.md" >> "$summary" 2>/dev/null
 run train_step "${limits[3]}" python3 benchmarks/train_step.py "${train_args[@]}"
 grep '^|' "$out/train_step.log" >> "$summary"
 tail -n 1 "$out/train_step.log" >> "$summary"
+for shape in "${packed_shapes[@]}"; do
+  case $shape in
+    tiny) config=();;
+    smollm2) config=(--config=configs/smollm2_gsm8k.py:mars
+      "--config.init_from=${data:-}/smollm2_shape");;
+    qwen0_5b) config=(--config=configs/qwen0_5b.py:mars --config.init_from=
+      --config.objective.max_label_tokens=0);;
+  esac
+  if [ "$smoke" = 0 ] && [ ! -d "${data:-}" ]; then
+    printf '## train_packed_%s\n\nleft out: no %s/ (bash benchmarks/accelerator_data.sh)\n\n' \
+      "$shape" "$data" >> "$summary"
+    continue
+  fi
+  run "train_packed_$shape" "${limits[4]}" python3 benchmarks/train_step.py "${config[@]}" \
+    "${packed_args[@]}" --json_out="$out/train_packed_$shape.json"
+  grep '^|' "$out/train_packed_$shape.log" >> "$summary"
+done
 
 echo "summary: $summary"
 exit $status

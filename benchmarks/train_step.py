@@ -12,7 +12,7 @@ training does, at each of ``--max_lengths``, unpacked and packed (``--packing``,
 weights stay random, `common.random_params`), else ``config.model``. One row per (max length,
 packing, objective): padding (the fraction of the epoch's token slots that hold no row's
 token), rows per step and steps per epoch at ``train.batch_size`` rows or packed sequences,
-step time (median of ``--steps`` after a compiling one, the two packings and objectives of a
+step time (median of ``--steps`` after a compiling one, the two packings of an objective and
 length alternating), and labelled tokens per second: the epoch's labelled targets per step
 over the step time, the measure that packing changes (an unpacked and a packed step of one
 length have the same shape; the packed one holds more rows). The last column is that rate
@@ -260,53 +260,64 @@ def benchmark_data(cfg, *, steps: int, max_lengths: list[int], packings: list[bo
     )
     out = []
     for length in max_lengths:
-        setups = {}
+        units_of, stats_of = {}, {}
         for packed in packings:
             examples, units = data_units(cfg, length, packed, tok)
-            c = cfg.copy_and_resolve_references()
-            c.data.max_length, c.data.packing = length, packed
-            batch = batched_dataset(
-                units, batch_size=rows, max_length=length, seed=c.seed, pad_id=tok.pad_id
-            )[0]
-            batch.pop("row_ids")
-            per_unit = len(examples) / len(units)
-            stats = {
+            units_of[packed] = units
+            stats_of[packed] = {
                 "max_length": length,
                 "packing": packed,
                 "padding": packing.padding_fraction(units, length),
-                "rows_per_step": per_unit * rows,
+                "rows_per_step": len(examples) / len(units) * rows,
                 "steps_per_epoch": len(units) // rows,
                 "label_tokens_per_step": sum(map(targets, units)) / len(units) * rows,
             }
-            for objective in ("ar", "mars"):
-                run, _ = prepare(c, objective, batch, model_cfg, units, tok.mask_id)
+        mine = []
+        for objective in ("ar", "mars"):
+            # One objective's packings at a time (their steps alternating): a MARS step of a
+            # real model at length 512 holds gigabytes of activations.
+            setups = {}
+            for packed in packings:
+                c = cfg.copy_and_resolve_references()
+                c.data.max_length, c.data.packing = length, packed
+                batch = batched_dataset(
+                    units_of[packed],
+                    batch_size=rows,
+                    max_length=length,
+                    seed=c.seed,
+                    pad_id=tok.pad_id,
+                )[0]
+                batch.pop("row_ids")
+                run, _ = prepare(c, objective, batch, model_cfg, units_of[packed], tok.mask_id)
                 run()  # compiles
                 common.progress(f"{length} packing={packed} {objective}: compiled and ran a step")
-                setups[(packed, objective)] = (run, stats, [])
-        for _ in range(steps):  # alternating, so that a busy machine slows all alike
-            for run, _, times in setups.values():
-                seconds, loss = run()
-                if not np.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {loss}")
-                times.append(seconds)
-        for (packed, objective), (_, stats, times) in setups.items():
-            step_s = statistics.median(times)
-            out.append(
-                {
-                    **stats,
-                    "objective": objective,
-                    "step_s": step_s,
-                    "label_tokens_per_s": stats["label_tokens_per_step"] / step_s,
-                }
-            )
-        mine = out[-len(setups) :]
+                setups[packed] = (run, [])
+            for _ in range(steps):  # alternating, so that a busy machine slows both alike
+                for run, times in setups.values():
+                    seconds, loss = run()
+                    if not np.isfinite(loss):
+                        raise FloatingPointError(f"non-finite loss {loss}")
+                    times.append(seconds)
+            for packed, (_, times) in setups.items():
+                step_s = statistics.median(times)
+                mine.append(
+                    {
+                        **stats_of[packed],
+                        "objective": objective,
+                        "step_s": step_s,
+                        "label_tokens_per_s": stats_of[packed]["label_tokens_per_step"] / step_s,
+                    }
+                )
+            del setups
+        mine.sort(key=lambda r: (r["packing"], r["objective"]))
         for row in mine:
             base = [r for r in mine if r["objective"] == row["objective"] and not r["packing"]]
             row["vs_unpacked"] = (
                 row["label_tokens_per_s"] / (base or [row])[0]["label_tokens_per_s"]
             )
-            if row is out[0]:
+            if not out:
                 print(DATA_HEADER)
+            out.append(row)
             print(format_data_row(row), flush=True)
     return out
 

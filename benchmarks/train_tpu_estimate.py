@@ -10,23 +10,27 @@ config's mesh over the topology's chips) is lowered and compiled ahead of time f
 topology with libtpu on this CPU, as launch/memory_plan.py does; inputs are
 ``jax.ShapeDtypeStruct``s with shardings, so nothing is allocated. One program per (topology,
 objective, attention, remat, packing), of ``--micro_batch`` rows of ``data.max_length`` and
-``grad_accum_steps`` 1: XLA's cost analysis counts a ``while`` body once, so the layers are
-unrolled (``scan_layers=False``) and the accumulation loop left out. A step of the recipe's
-batch is ``train.batch_size / micro_batch`` such programs (the AdamW update, counted in each
-here, runs once a step: the figures are a little pessimistic for accumulated steps).
+``grad_accum_steps`` 1. XLA's cost analysis counts a ``while`` body once, so nothing runs in a
+loop: the layers are unrolled (``scan_layers=False``), the cross-entropy is taken in one piece
+(``ce_chunk_size=0``; its chunks are a ``lax.map``) and the accumulation loop is left out. The
+AdamW update (and the clipping before it) is compiled alone too, so a step of the recipe's
+batch, A = ``train.batch_size / micro_batch`` micro-batches, is estimated as
+
+    step = A x (program - update) + update
 
 From ``compiled.cost_analysis()`` (per chip): libtpu's ``optimal_seconds`` (its estimate of
 the program's time; `decode_hlo.optimal` separates the ops it could not estimate), FLOPs and
 bytes accessed. Then, with the chip's dense bf16 peak (`PEAK_BF16`):
 
-    model FLOPs = benchmarks/train_step.py's step_flops (matmuls, backward = 2 x forward, the
-                  dense attention scores of the 2L-token [noisy | clean] input for MARS)
-    MFU         = model FLOPs / (estimated seconds x peak x chips)
+    model FLOPs = benchmarks/train_step.py's step_flops of the step's rows (matmuls, backward =
+                  2 x forward, the dense attention scores of the 2L-token [noisy | clean] input
+                  for MARS)
+    MFU         = model FLOPs / (estimated step seconds x peak x chips)
     row MFU     = MFU x (1 - padding): the FLOPs spent on tokens of rows, not padding
 
 ``padding`` is the fraction of token slots that hold no row's token when the ``--rows`` file
 (GSM8K train by default: rows of a realistic length distribution) is tokenized with the
-config's tokenizer (the offline Qwen2.5 one for the paper configs) at ``data.max_length``,
+config's tokenizer (``init_from``'s where it is a directory, else the offline Qwen2.5 one) at ``data.max_length``,
 unpacked (one row a sequence) or packed (`mars_jax.packing`). Packing changes the mask (segment
 ids) but not the shapes, so a packed and an unpacked program cost about the same and the
 difference is in how many of their tokens are real. MaxText's published MFU for comparison:
@@ -52,6 +56,7 @@ import json  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import optax  # noqa: E402
 from absl import flags  # noqa: E402
 
 from benchmarks import decode_hlo  # noqa: E402
@@ -72,6 +77,8 @@ def padding_of(cfg, rows_path: str, rows_format: str) -> dict[bool, float]:
     c = cfg.copy_and_resolve_references()
     c.data.train_path, c.data.source = rows_path, rows_format
     c.objective.max_label_tokens = 0
+    if not os.path.isdir(c.init_from):  # the paper configs' placeholder: Qwen2.5's tokenizer
+        c.init_from = ""
     examples = train.load_train_examples(c, load_tokenizer(train.tokenizer_source(c)))
     packed = train.pack_examples(c, examples)
     length = c.data.max_length
@@ -81,7 +88,28 @@ def padding_of(cfg, rows_path: str, rows_format: str) -> dict[bool, float]:
     }
 
 
-def compile_row(cfg, topology: str, devices) -> dict:
+def update_seconds(tx, step: train_step.TrainStep) -> float | None:
+    """libtpu's estimate of the AdamW update alone (clipping, moments, new parameters) on the
+    step's shardings: gradients placed as the parameters."""
+    params, opt_state, _ = step.abstract_inputs
+
+    def update(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    shardings = sharding.shardings_of(params)
+    compiled = (
+        jax.jit(update, out_shardings=(shardings, step.opt_state_shardings), donate_argnums=(0, 1))
+        .lower(params, opt_state, params)
+        .compile()
+    )
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    optimal = decode_hlo.optimal(cost.get("optimal_seconds"))["optimal_us"]
+    return None if optimal is None else optimal / 1e6
+
+
+def compile_row(cfg, topology: str, devices, accumulation: int) -> dict:
     """Compiles the train step of ``cfg`` (grad_accum_steps 1, layers unrolled) for ``devices``
     and returns its cost (per chip) and memory; a compile error is returned in ``error``."""
     row = {
@@ -106,6 +134,7 @@ def compile_row(cfg, topology: str, devices) -> dict:
         tx, _ = train_step.optimizer(cfg, num_steps=1)
         step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
         compiled = step.fn.lower(*step.abstract_inputs).compile()
+        row["update_s"] = update_seconds(tx, step)
     except (ValueError, jax.errors.JaxRuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return {**row, "error": f"{type(e).__name__}: {first}"}
@@ -126,7 +155,8 @@ def compile_row(cfg, topology: str, devices) -> dict:
         / 2**30,
         compile_s=round(time.perf_counter() - start, 1),
     )
-    row["model_flops"] = step_flops(
+    row["accumulation"] = accumulation
+    row["model_flops"] = accumulation * step_flops(
         model_cfg,
         rows=cfg.train.batch_size,
         length=cfg.data.max_length,
@@ -138,19 +168,19 @@ def compile_row(cfg, topology: str, devices) -> dict:
 
 def add_mfu(row: dict, padding: dict[bool, float] | None) -> dict:
     """``row`` with its estimated step seconds, MFU and (given ``padding``) row MFU."""
-    if row.get("optimal_us") is None:
+    if row.get("optimal_us") is None or row.get("update_s") is None:
         return row
-    seconds = row["optimal_us"] / 1e6
+    program, update, a = row["optimal_us"] / 1e6, row["update_s"], row["accumulation"]
+    seconds = a * (program - update) + update
     peak = PEAK_BF16[row["topology"].partition(":")[0]] * row["devices"]
     row["step_s"] = seconds
     row["mfu"] = row["model_flops"] / seconds / peak
-    row["compiler_over_model_flops"] = row["flops"] * row["devices"] / row["model_flops"]
+    row["compiler_over_model_flops"] = a * row["flops"] * row["devices"] / row["model_flops"]
     if padding is not None:
+        tokens = a * row["micro_batch"] * row["max_length"]
         row["padding"] = padding[row["packing"]]
         row["row_mfu"] = row["mfu"] * (1 - row["padding"])
-        row["row_tokens_per_s_per_chip"] = (
-            row["micro_batch"] * row["max_length"] * (1 - row["padding"]) / seconds / row["devices"]
-        )
+        row["row_tokens_per_s_per_chip"] = tokens * (1 - row["padding"]) / seconds / row["devices"]
     return row
 
 
@@ -167,8 +197,10 @@ def sweep(cfg, *, topologies, micro_batch, objectives, attentions, remats, packi
                         c.objective.name = objective
                         c.model.update(attention=attention, remat=remat, scan_layers=False)
                         c.data.packing = packed
+                        c.objective.ce_chunk_size = 0
                         c.train.update(batch_size=micro_batch, grad_accum_steps=1)
-                        rows.append(add_mfu(compile_row(c, topology, devices), padding))
+                        row = compile_row(c, topology, devices, cfg.train.batch_size // micro_batch)
+                        rows.append(add_mfu(row, padding))
                         emit(rows[-1])
     return rows
 
@@ -178,23 +210,27 @@ def _f(x, spec):
 
 
 HEADER = (
-    "| topology | objective | attention | remat | packing | micro batch | compiler ms | "
-    "unestimated ops | TFLOP (compiler / model) | GB accessed | peak GiB | MFU | padding | "
-    "row MFU | row tokens/s/chip |\n" + "|---" * 15 + "|"
+    "| topology | objective | attention | remat | packing | micro batch x A | micro-batch ms "
+    "(update ms) | unestimated ops | TFLOP (compiler / model) | GB accessed | peak GiB | step s "
+    "| MFU | padding | row MFU | row tokens/s/chip |\n" + "|---" * 16 + "|"
 )
 
 
 def format_row(r: dict) -> str:
     head = (
         f"| {r['topology']} | {r['objective']} | {r['attention']} | {r['remat']} | "
-        f"{'yes' if r['packing'] else 'no'} | {r['micro_batch']} | "
+        f"{'yes' if r['packing'] else 'no'} | {r['micro_batch']} x {r.get('accumulation', '-')} | "
     )
     if "error" in r:
-        return head + f"failed: {r['error']} |" + " |" * 8
-    tflop = f"{r['flops'] * r['devices'] / 1e12:.2f} / {r['model_flops'] / 1e12:.2f}"
+        return head + f"failed: {r['error']} |" + " |" * 10
+    model_tflop = r["model_flops"] / r["accumulation"] / 1e12
+    tflop = f"{r['flops'] * r['devices'] / 1e12:.2f} / {model_tflop:.2f}"
+    update = r.get("update_s")
     return head + (
-        f"{_f(r.get('step_s') and r['step_s'] * 1e3, '.1f')} | {r['unestimated']} | {tflop} | "
-        f"{r['bytes_accessed'] / 1e9:.1f} | {r['peak_gib']:.2f} | {_f(r.get('mfu'), '.1%')} | "
+        f"{_f(r['optimal_us'] and r['optimal_us'] / 1e3, '.1f')} "
+        f"({_f(update and update * 1e3, '.1f')}) | {r['unestimated']} | {tflop} | "
+        f"{r['bytes_accessed'] / 1e9:.1f} | {r['peak_gib']:.2f} | {_f(r.get('step_s'), '.2f')} | "
+        f"{_f(r.get('mfu'), '.1%')} | "
         f"{_f(r.get('padding'), '.1%')} | {_f(r.get('row_mfu'), '.1%')} | "
         f"{_f(r.get('row_tokens_per_s_per_chip'), '.0f')} |"
     )

@@ -12,6 +12,7 @@ comparison on a random shape.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -143,7 +144,12 @@ def accelerator(tmp_path_factory):
 @pytest.mark.slow
 def test_accelerator_parts(accelerator):
     parts = [json.loads(line) for line in (accelerator / "parts.jsonl").read_text().splitlines()]
-    assert [p["part"] for p in parts] == ["decode_step_tiny", "transformers", "train_step"]
+    assert [p["part"] for p in parts] == [
+        "decode_step_tiny",
+        "transformers",
+        "train_step",
+        "train_packed_tiny",
+    ]
     assert all(p["rc"] == 0 for p in parts)
     summary = (accelerator / "summary.md").read_text()
     for p in parts:
@@ -154,6 +160,7 @@ def test_accelerator_parts(accelerator):
         "decode_step_tiny": ["tiny float32: random parameters ready", "tiny batch 1 B 2: timed"],
         "transformers": ["models ready", "tiny_shape batch 1 sliding 0.5: compiled, ran"],
         "train_step": ["ar: parameters and optimizer state ready", "mars: compiled and ran"],
+        "train_packed_tiny": ["256 packing=True ar: compiled", "256 packing=True mars: compiled"],
     }.items():
         log = (accelerator / f"{part}.log").read_text()
         times = [float(t) for t in re.findall(r"^\[ *(\d+\.\d) s\] ", log, re.M)]
@@ -434,3 +441,73 @@ def test_hf_load_memory(tmp_path):
         share = 4 * params / (2 if mode == "sharded2" else 1) / GiB
         assert held == pytest.approx(share, abs=0.006)
         assert 0 < before <= peak and peak == pytest.approx(hwm, abs=0.011)
+
+
+# -- benchmarks/train_step.py --data: real rows, packed and unpacked --------------------------
+
+
+@pytest.mark.slow
+def test_train_step_on_real_rows_packed_and_not(tmp_path, smollm2_dir):
+    """The documented ``--data`` command on configs/smollm2_gsm8k.py with its model swapped for a
+    tiny one in SmolLM2's layout (its tokenizer files: the real row lengths) and 48 GSM8K train
+    rows: each row's figures agree with the packing of those rows, computed here."""
+    from mars_jax import packing, train
+    from mars_jax.rows import read_rows
+    from tests.helpers import write_smol_layout
+
+    gsm8k = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+    if not gsm8k.exists():
+        pytest.skip("needs ../shared/data")
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text("".join(gsm8k.read_text().splitlines(keepends=True)[:48]))
+    model_dir, _ = write_smol_layout(tmp_path / "smol", smollm2_dir)
+    flags = [
+        f"--config.init_from={model_dir}",
+        f"--config.data.train_path={rows_file}",
+        "--config.train.batch_size=2",
+    ]
+    out_json = tmp_path / "rows.json"
+    out = run(
+        "benchmarks/train_step.py",
+        "--config=configs/smollm2_gsm8k.py:mars",
+        "--data",
+        "--max_lengths=128,256",
+        "--packing=false,true",
+        "--steps=1",
+        f"--json_out={out_json}",
+        *flags,
+    )
+    head, body = header_and_body(out, "| max_length")
+    assert len(body) == 8
+    result = json.loads(out_json.read_text())
+    assert [(r["max_length"], r["packing"], r["objective"]) for r in result] == [
+        (length, packed, objective)
+        for length in (128, 256)
+        for packed in (False, True)
+        for objective in ("ar", "mars")
+    ]
+    # The oracle: the same rows, tokenized and packed here.
+    spec = importlib.util.spec_from_file_location("_smol", ROOT / "configs" / "smollm2_gsm8k.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config("mars")
+    cfg.init_from, cfg.data.train_path = str(model_dir), str(rows_file)
+    tok = train.load_tokenizer(str(model_dir))
+    assert len(read_rows(str(rows_file))) == 48
+    for r in result:
+        cfg.data.max_length = r["max_length"]
+        examples = train.load_train_examples(cfg, tok)
+        units = train.pack_examples(cfg, examples) if r["packing"] else examples
+        assert r["padding"] == pytest.approx(packing.padding_fraction(units, r["max_length"]))
+        assert r["steps_per_epoch"] == len(units) // 2
+        assert r["rows_per_step"] == pytest.approx(2 * len(examples) / len(units))
+        assert finite_positive(r["step_s"])
+        assert r["label_tokens_per_s"] == pytest.approx(r["label_tokens_per_step"] / r["step_s"])
+    by = {(r["max_length"], r["packing"], r["objective"]): r for r in result}
+    for objective in ("ar", "mars"):
+        unpacked, packed = by[(256, False, objective)], by[(256, True, objective)]
+        assert packed["padding"] < unpacked["padding"]  # rows of ~200 tokens: two a sequence
+        assert packed["rows_per_step"] > unpacked["rows_per_step"]
+        assert packed["vs_unpacked"] == pytest.approx(
+            packed["label_tokens_per_s"] / unpacked["label_tokens_per_s"]
+        )
