@@ -322,7 +322,13 @@ class Qwen2(nnx.Module):
             return with_logical_constraint(x, ACTIVATION_AXES), layer_cache
 
         if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            # Inside a scan XLA cannot merge the recomputed forward with the first one; unrolled,
+            # its common-subexpression pass would, undoing the remat, unless prevented.
+            layer = jax.checkpoint(
+                layer,
+                policy=_REMAT_POLICIES[self.cfg.remat],
+                prevent_cse=not self.cfg.scan_layers,
+            )
         if self.cfg.scan_layers:
             x, cache = jax.lax.scan(lambda x, xs: layer(x, *xs), x, (stacked, cache))
         else:

@@ -471,7 +471,7 @@ def test_train_step_on_real_rows_packed_and_not(tmp_path, smollm2_dir):
         "benchmarks/train_step.py",
         "--config=configs/smollm2_gsm8k.py:mars",
         "--data",
-        "--max_lengths=128,256",
+        "--max_lengths=128,512",
         "--packing=false,true",
         "--steps=1",
         f"--json_out={out_json}",
@@ -482,7 +482,7 @@ def test_train_step_on_real_rows_packed_and_not(tmp_path, smollm2_dir):
     result = json.loads(out_json.read_text())
     assert [(r["max_length"], r["packing"], r["objective"]) for r in result] == [
         (length, packed, objective)
-        for length in (128, 256)
+        for length in (128, 512)
         for packed in (False, True)
         for objective in ("ar", "mars")
     ]
@@ -505,7 +505,7 @@ def test_train_step_on_real_rows_packed_and_not(tmp_path, smollm2_dir):
         assert r["label_tokens_per_s"] == pytest.approx(r["label_tokens_per_step"] / r["step_s"])
     by = {(r["max_length"], r["packing"], r["objective"]): r for r in result}
     for objective in ("ar", "mars"):
-        unpacked, packed = by[(256, False, objective)], by[(256, True, objective)]
+        unpacked, packed = by[(512, False, objective)], by[(512, True, objective)]
         assert packed["padding"] < unpacked["padding"]  # rows of ~200 tokens: two a sequence
         assert packed["rows_per_step"] > unpacked["rows_per_step"]
         assert packed["vs_unpacked"] == pytest.approx(
