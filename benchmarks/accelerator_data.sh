@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Copies into .accelerator_data/ (ignored by git) what benchmarks/accelerator.sh's real-data
+# Copies into .accelerator_data/ (ignored by git; or the directory given) what benchmarks/accelerator.sh's real-data
 # train-step part reads on the lent GPU machine, which has neither ../shared nor models/: GSM8K's
 # train rows, and SmolLM2-135M-Instruct's shape (config.json and tokenizer files, no weights:
 # the benchmark draws random ones). Run it here after `python -m tools.smollm2
 # --link=models/smollm2`, then give the device run `carry: [".whl", ".accelerator_data"]`
-# (about 6 MB).
+# (7.4 MB).
+#
+#   bash benchmarks/accelerator_data.sh [OUTPUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=.accelerator_data
+out=${1:-.accelerator_data}
 mkdir -p "$out/smollm2_shape"
 cp ../shared/data/gsm8k/train.jsonl "$out/gsm8k_train.jsonl"
 for name in config.json generation_config.json tokenizer.json tokenizer_config.json \

@@ -21,7 +21,7 @@ def get_config(stage: str = "ar"):
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )
-    c.train.grad_accum_steps = 4
+    c.train.grad_accum_steps = 2  # micro-batches of 96 packed sequences
     # A step is ~15x qwen0_5b's (7.6e9 parameters): 9e15 FLOPs for AR, ~1.8e16 for MARS, i.e.
     # ~3 s on a v5p-64 and ~14 s on a v5e-16 at 40% of peak (estimates): 50 steps bound the work
     # a crash loses to ~3-12 minutes. A save is ~91 GB (fp32 parameters + Adam moments), about

@@ -33,6 +33,7 @@ OBJECTIVE_NAMES = ("ar", "mars")  # objectives.OBJECTIVES
 NORMALIZATIONS = ("sequence", "token")
 # How each sequence's noisy CE is weighted: "none", or "inverse_t" (the reference's no-SFT trainer).
 NOISY_WEIGHTINGS = ("none", "inverse_t")
+SCHEDULES = ("linear", "constant")  # train.schedule: after the warmup
 REMAT = ("none", "full", "dots")  # model.REMAT
 ATTENTION = ("xla", "chunked", "splash", "cudnn")  # model.ATTENTION (attention.IMPLEMENTATIONS)
 
@@ -122,8 +123,14 @@ def defaults(stage: str = "ar") -> ml_collections.ConfigDict:
                 "grad_accum_steps": 1,  # micro-batches per step; divides batch_size
                 "num_epochs": 1.0,  # used when num_steps is 0
                 "num_steps": 110,  # > 0 overrides num_epochs
-                "learning_rate": 3e-3,  # peak of the linear warmup / linear decay schedule
+                "learning_rate": 3e-3,  # peak of the learning-rate schedule
                 "warmup_ratio": 0.03,  # fraction of the steps spent warming up, in [0, 1]
+                # After the linear warmup: "linear" decay to 0 at the last step, or "constant"
+                # (the peak held: a run whose checkpoints are compared along the way).
+                "schedule": "linear",
+                # > 0: stop after this step (saved, as a stop signal does) before num_steps; the
+                # same command with a later stop_at (or 0) goes on. For runs in segments.
+                "stop_at": 0,
                 "weight_decay": 0.0,  # AdamW's decoupled weight decay
                 "grad_clip": 1.0,  # the global gradient norm is clipped to this
                 "log_every": 10,  # steps between metrics records
@@ -345,6 +352,10 @@ def _check_train(cfg) -> None:
             raise SettingError(key, _get(cfg, key), "must be a finite number >= 0")
     if t.warmup_ratio > 1:
         raise SettingError("train.warmup_ratio", t.warmup_ratio, "must lie in [0, 1]")
+    if t.schedule not in SCHEDULES:
+        raise SettingError("train.schedule", t.schedule, f"must be one of {SCHEDULES}")
+    if t.stop_at < 0:
+        raise SettingError("train.stop_at", t.stop_at, "must be >= 0 (0: run to the end)")
     if not t.grad_clip > 0:
         raise SettingError("train.grad_clip", t.grad_clip, "must be > 0")
     if t.keep_every < 0:

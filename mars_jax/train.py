@@ -476,12 +476,21 @@ class Trainer:
         skipped_before = start - _applied_updates(self.opt_state)
         self.skips = SkippedSteps(self.cfg.train.max_consecutive_skips, total=skipped_before)
         self.last, self.t0, self.tokens, self.window_start = {}, time.time(), 0, time.time()
+        stop_at = self.cfg.train.stop_at
+        if 0 < stop_at <= start < num_steps:
+            logging.info(
+                "%s is at step %d, train.stop_at=%d: nothing to do", self.workdir, start, stop_at
+            )
+            return {"stopped_by": "stop_at"}
         try:
             for i in range(start, num_steps):
                 done = self._step(i)
                 saved = done % self.cfg.train.save_every == 0 or done == num_steps
-                if saved:
+                if saved or done == stop_at:
                     self._save(done)
+                if done < num_steps and done == stop_at:
+                    self._stop_at(done)
+                    break
                 if done < num_steps and self._stop_for_preemption(done, saved):
                     break
             else:
@@ -535,6 +544,18 @@ class Trainer:
         self.skips.check()
         _before_save(self.lock, self.metrics)
         self.checkpoints.save(done, TrainState(self.params, self.opt_state, self.position))
+
+    def _stop_at(self, done: int) -> None:
+        """Ends the run at ``train.stop_at`` (step ``done``, saved): waits for the write."""
+        self.checkpoints.wait_until_finished()
+        logging.info(
+            "stopped at train.stop_at=%d of %d: saved in %s; rerun with a later stop_at (or 0) "
+            "to go on",
+            done,
+            self.num_steps,
+            self.workdir,
+        )
+        self.last = {**self.last, "stopped_by": "stop_at"}
 
     def _stop_for_preemption(self, done: int, saved: bool) -> bool:
         """Whether a stop request (`Preemption.stop`) ends the run after step ``done``; if so,

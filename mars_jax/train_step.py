@@ -34,16 +34,18 @@ def objective_settings(cfg, mask_id: int, examples) -> ObjectiveConfig:
 
 def optimizer(cfg, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(AdamW, its learning-rate schedule): linear warmup over ``train.warmup_ratio`` of the
-    steps, then linear decay to 0, after clipping the global gradient norm to ``train.grad_clip``.
+    steps, then (``train.schedule``) linear decay to 0 ("linear") or the peak held to the end
+    ("constant"), after clipping the global gradient norm to ``train.grad_clip``.
     """
     t = cfg.train
     warmup = max(1, int(round(t.warmup_ratio * num_steps)))
+    after = (
+        optax.constant_schedule(t.learning_rate)
+        if t.schedule == "constant"
+        else optax.linear_schedule(t.learning_rate, 0.0, max(1, num_steps - warmup))
+    )
     schedule = optax.join_schedules(
-        [
-            optax.linear_schedule(0.0, t.learning_rate, warmup),
-            optax.linear_schedule(t.learning_rate, 0.0, max(1, num_steps - warmup)),
-        ],
-        [warmup],
+        [optax.linear_schedule(0.0, t.learning_rate, warmup), after], [warmup]
     )
     return optax.chain(
         optax.clip_by_global_norm(t.grad_clip),

@@ -117,6 +117,7 @@ _RESUMABLE_CHANGES = (
     "train.keep_every",
     "train.restore_fallback",
     "train.max_consecutive_skips",
+    "train.stop_at",
     "distributed.coordinator_address",
     "distributed.num_processes",
     "distributed.process_id",
@@ -126,7 +127,7 @@ _RESUMABLE_CHANGES = (
 _RESUMABLE_SECTIONS = ("eval.",)
 # Keys added to the config schema since runs were first saved, with the value that runs saved
 # before them had: such a run resumes as it was.
-_ADDED_KEYS = {"data.packing": False}
+_ADDED_KEYS = {"data.packing": False, "train.schedule": "linear", "train.stop_at": 0}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -51,6 +51,13 @@ def test_defaults_pass():
         ({"train__learning_rate": float("nan")}, "train.learning_rate", "nan"),
         ({"train__warmup_ratio": 1.5}, "train.warmup_ratio", "1.5"),
         ({"train__grad_clip": 0.0}, "train.grad_clip", "0.0"),
+        ({"train__schedule": "cosine"}, "train.schedule", "'cosine'"),
+        ({"train__stop_at": -1}, "train.stop_at", "-1"),
+        (
+            {"data__packing": True, "objective__noisy_weighting": "inverse_t"},
+            "objective.noisy_weighting",
+            "'inverse_t'",
+        ),
         ({"eval__num_examples": 0}, "eval.num_examples", "0"),
         ({"eval__num_examples": -3}, "eval.num_examples", "-3"),
         ({"eval__nll_examples": 0}, "eval.nll_examples", "0"),

@@ -144,3 +144,29 @@ def test_batched_dataset_collates_packed_sequences():
         for row in full[i]["row_ids"]
     ]
     assert len(set(epoch)) == len(epoch) == 4 * (len(packed) // 4)
+
+
+def test_another_process_packs_the_same_sequences():
+    """A resumed run rebuilds its packing in a new process (after kill -9 too): the same rows
+    and seed pack into the same sequences there, whatever that process's hash seed."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = (
+        "import json; from tests.data.test_packing import examples; from mars_jax import packing; "
+        "print(json.dumps([s.rows for s in packing.pack(examples(n=200), max_length=64, "
+        "block_size=4, seed=5)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={"PATH": "", "PYTHONHASHSEED": "12345", "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    here = packing.pack(examples(n=200), max_length=64, block_size=4, seed=5)
+    assert json.loads(out) == [list(s.rows) for s in here]

@@ -131,4 +131,3 @@ def test_execution_settings_keep_loss_and_gradients(reference, execution, monkey
     assert scale > 1e-3
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-5 * scale)
-

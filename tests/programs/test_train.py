@@ -817,3 +817,29 @@ def test_packing_refuses_what_it_cannot_do(tmp_path):
             get_config("mars", data__packing=True, objective__noisy_weighting="inverse_t"),
             str(tmp_path / "weights"),
         )
+
+
+def test_stop_at_then_on_equals_a_straight_run(stage1, tmp_path):
+    """train.stop_at=2 saves step 2 and stops (the run not complete, a rerun at stop_at=2 does
+    nothing); the same command with stop_at=0 goes on to the end, bitwise the straight run."""
+    straight, _, _ = stage1
+    workdir = str(tmp_path / "segments")
+    last = train.train(get_config("ar", train__stop_at=2), workdir)
+    assert last["stopped_by"] == "stop_at" and last["step"] == 2
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+    assert not wd.is_complete(workdir)
+    assert train.train(get_config("ar", train__stop_at=2), workdir) == {"stopped_by": "stop_at"}
+    train.train(get_config("ar"), workdir)
+    assert wd.is_complete(workdir)
+    assert [m["loss"] for m in read_metrics(workdir)] == [m["loss"] for m in read_metrics(straight)]
+    a, _, _ = wd.load_model(workdir)
+    b, _, _ = wd.load_model(straight)
+    assert_same_params(a, b, atol=0)
+
+
+def test_constant_schedule_holds_the_peak_after_warmup():
+    cfg = get_config("ar", train__schedule="constant", train__warmup_ratio=0.25)
+    _, schedule = train_step.optimizer(cfg, 8)
+    assert [float(schedule(i)) for i in range(8)] == pytest.approx([0.0, LR / 2] + [LR] * 6)
+    _, linear = train_step.optimizer(get_config("ar", train__warmup_ratio=0.25), 8)
+    assert float(linear(7)) < LR / 2

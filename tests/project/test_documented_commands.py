@@ -378,6 +378,31 @@ REGISTRY = [
         ),
     ),
     (
+        "accelerator_data",
+        r"bash benchmarks/accelerator_data\.sh",
+        Smoke(
+            "run_accelerator_data",
+            "into a temporary folder: GSM8K's train rows, SmolLM2's shape where models/ has it",
+        ),
+    ),
+    (
+        "train_step_data",
+        r"PYTHONPATH=\. python benchmarks/train_step\.py --config=configs/smollm2_gsm8k\.py:mars "
+        r"--data .*",
+        Covered(
+            "tests/project/test_benchmark_commands.py::test_train_step_on_real_rows_packed_and_not",
+            "the same flags on 48 GSM8K rows, SmolLM2's tokenizer on a tiny model, lengths 128, 512",
+        ),
+    ),
+    (
+        "train_tpu_estimate",
+        r"PYTHONPATH=\. python benchmarks/train_tpu_estimate\.py .*",
+        Covered(
+            "tests/training/test_train_tpu_estimate.py::test_every_program_compiles_with_an_estimate",
+            "the script on the tiny config for v5e:1x1 (skips without libtpu)",
+        ),
+    ),
+    (
         "accelerator_wheels",
         r"bash benchmarks/accelerator_wheels\.sh",
         NotRun("downloads wheels from PyPI: needs network", "needs network"),
@@ -1225,6 +1250,19 @@ def run_decode_speed_accept(commands, request, tmp_path):
         if "--parts" in command.text:
             assert (out / "decode_step_parts.md").exists()
             assert "| layers ms | projection ms | choice ms |" in stdout
+
+
+def run_accelerator_data(commands, request, tmp_path):
+    if not (SHARED_DATA / "gsm8k" / "train.jsonl").exists():
+        pytest.skip("needs ../shared/data")
+    for command in commands:
+        out = tmp_path / "accelerator_data"
+        run_command(command, [str(out)])
+        assert (out / "gsm8k_train.jsonl").read_bytes() == (
+            SHARED_DATA / "gsm8k" / "train.jsonl"
+        ).read_bytes()
+        if (ROOT / "models" / "smollm2" / "config.json").exists():
+            assert (out / "smollm2_shape" / "tokenizer.json").exists()
 
 
 def run_roofline(commands, request, tmp_path):
