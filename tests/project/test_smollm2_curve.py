@@ -1,0 +1,73 @@
+"""experiments/smollm2_curve.py (the SmolLM2 learning curve) on configs/smollm2_curve.py with a
+tiny model in SmolLM2's layout and 24 GSM8K rows: its points are the evaluations of the steps
+asked for, the rows seen are those the training logged, and a rerun adds nothing."""
+
+import importlib.util
+import json
+
+import pytest
+
+from experiments import smollm2_curve
+from mars_jax import config
+from tests.helpers import ROOT, write_smol_layout
+
+pytestmark = pytest.mark.slow
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+
+
+def load(stage):
+    spec = importlib.util.spec_from_file_location("_c", ROOT / "configs" / "smollm2_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(stage)
+
+
+def test_both_stages_pass_the_checks():
+    for stage in ("mars", "ar"):
+        cfg = load(stage)
+        config.validate(cfg, training=True, paths=False)
+        assert cfg.data.packing and cfg.train.schedule == "constant" and cfg.train.log_every == 1
+    assert load("ar").eval.thresholds == (1.0,)
+
+
+def test_the_curve_evaluates_each_step_once(tmp_path, smollm2_dir):
+    if not GSM8K.exists():
+        pytest.skip("needs ../shared/data")
+    model, _ = write_smol_layout(tmp_path / "smol", smollm2_dir)
+    rows_file = tmp_path / "train.jsonl"
+    rows_file.write_text("".join((GSM8K / "train.jsonl").read_text().splitlines(True)[:24]))
+    cfg = load("mars")
+    cfg.init_from, cfg.data.train_path = str(model), str(rows_file)
+    cfg.train.update(num_steps=4, save_every=2)
+    cfg.data.max_length = 128
+    cfg.eval.update(num_examples=2, batch_size=2, nll_examples=2, max_new_tokens=4)
+    cfg.eval.thresholds = (1.0, 0.9)
+    out = tmp_path / "curve.json"
+    workdir = str(tmp_path / "runs" / "mars")
+    rows = smollm2_curve.curve(cfg, workdir, [0, 2, 4], str(out), "mars")
+    assert json.loads(out.read_text()) == rows
+    assert [(r["step"], r["threshold"]) for r in rows] == [
+        (0, 1.0),
+        (2, 1.0),
+        (2, 0.9),
+        (4, 1.0),
+        (4, 0.9),
+    ]
+    metrics = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # one segment to 2, then on to 4
+    by_step = {r["step"]: r for r in rows}
+    assert by_step[0]["rows_seen"] == 0 and by_step[0]["tokens_per_forward"] == 1.0
+    assert by_step[2]["rows_seen"] == sum(m["rows"] for m in metrics[:2])
+    assert by_step[4]["rows_seen"] == sum(m["rows"] for m in metrics)
+    assert 0 < by_step[2]["train_hours"] < by_step[4]["train_hours"]
+    for step in (2, 4):
+        report = json.load(
+            open(sorted((tmp_path / "runs" / "mars" / "eval").glob(f"step_{step}_*.json"))[0])
+        )
+        one = [r for r in rows if r["step"] == step and r["threshold"] == 1.0][0]
+        assert (
+            one["nll"] == report["ar_nll"] and one["accuracy"] == report["results"][0]["accuracy"]
+        )
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+    assert smollm2_curve.curve(cfg, workdir, [0, 2, 4], str(out), "mars") == rows  # nothing new
+    assert len(list((tmp_path / "runs" / "mars" / "eval").glob("step_*.json"))) == 2
