@@ -73,7 +73,8 @@ else
   hf_args=(--model=qwen0_5b_shape --shape_dtype=bfloat16 --batch_sizes=4,16
     --shape_prompt_len=128 --shape_max_new_tokens=64 --repeats=2)
   train_args=(--config=configs/qwen0_5b.py:mars --steps=5 --peak_flops=989e12
-    --config.train.batch_size=16 --config.train.grad_accum_steps=1)
+    --config.train.batch_size=16 --config.train.grad_accum_steps=1
+    --config.model.attention=xla --config.model.remat=none)
   data=.accelerator_data
   packed_args=(--data --max_lengths=512 --packing=true --steps=3 --config.model.dtype=bfloat16
     --config.train.batch_size=16 --config.data.source=gsm8k
@@ -126,7 +127,8 @@ for shape in "${packed_shapes[@]}"; do
     smollm2) config=(--config=configs/smollm2_gsm8k.py:mars
       "--config.init_from=${data:-}/smollm2_shape");;
     qwen0_5b) config=(--config=configs/qwen0_5b.py:mars --config.init_from=
-      --config.objective.max_label_tokens=0);;
+      --config.objective.max_label_tokens=0 --config.model.attention=xla
+      --config.model.remat=none);;
   esac
   if [ "$smoke" = 0 ] && [ ! -d "${data:-}" ]; then
     printf '## train_packed_%s\n\nleft out: no %s/ (bash benchmarks/accelerator_data.sh)\n\n' \

@@ -145,6 +145,7 @@ def prepare(
     c = cfg.copy_and_resolve_references()
     c.objective.name = objective
     c.init_from = ""
+    c.data.packing = "segment_ids" in batch  # the step's inputs are the batch's
     model_cfg = model_cfg or ModelConfig(**c.model)
     if units is None:
         units = [

@@ -29,6 +29,12 @@ def get_config(stage: str = "ar"):
     )
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
+    # TPU settings, from libtpu's estimate of the step (docs/training-at-scale.md): the splash
+    # kernel (MARS 1.4x dense attention's speed on v5e), each layer recomputed in the backward
+    # pass (as fast as keeping its activations there, and only that fits 16 rows a v5e chip).
+    # On GPUs: --config.model.attention=cudnn (or xla).
+    c.model.attention = "splash"
+    c.model.remat = "full"
     c.data.source = "messages"
     c.data.max_length = 512
     # Rows packed into sequences of 512 (mars_jax/packing.py): chat rows of a few hundred tokens

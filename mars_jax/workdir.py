@@ -418,10 +418,13 @@ def load_model(workdir: str, *, mesh: Mesh | None = None, step: int | None = Non
     trimmed run the tokenizer is a `vocab.MappedTokenizer` (model ids in and out).
 
     ``overrides`` replace `ModelConfig` fields (e.g. ``dtype="bfloat16"``); ``mesh`` defaults to
-    all devices on the data axis; parameters are placed by the run's ``mesh.rules``.
+    all devices on the data axis; parameters are placed by the run's ``mesh.rules``. The
+    training execution settings are not kept: attention is "xla" (the decoder's cached forwards
+    are dense anyway, and a run trained with TPU splash attention is read on any device) and
+    remat "none", unless overridden.
     Raises FileNotFoundError for a directory that is not a run or has no checkpoint.
     """
-    cfg = read_model_config(workdir, **overrides)
+    cfg = read_model_config(workdir, **{"attention": "xla", "remat": "none", **overrides})
     graphdef, abstract = abstract_params(cfg, mesh or sharding.make_mesh(), sharding_rules(workdir))
     with Checkpoints(workdir) as checkpoints:
         params, step = checkpoints.restore_params(abstract, step)

@@ -843,3 +843,24 @@ def test_constant_schedule_holds_the_peak_after_warmup():
     assert [float(schedule(i)) for i in range(8)] == pytest.approx([0.0, LR / 2] + [LR] * 6)
     _, linear = train_step.optimizer(get_config("ar", train__warmup_ratio=0.25), 8)
     assert float(linear(7)) < LR / 2
+
+
+def test_a_run_trained_with_splash_is_evaluated_anywhere(stage1, tmp_path):
+    """The paper configs train with the TPU splash kernel; their runs are read with dense
+    attention (a CPU has no splash), so evaluation's teacher-forced NLL runs here and equals
+    the same run's read as trained with xla."""
+    import shutil
+
+    workdir, cfg, _ = stage1
+    copy = tmp_path / "splash_run"
+    shutil.copytree(workdir, copy)
+    saved = json.loads((copy / "model.json").read_text())
+    (copy / "model.json").write_text(json.dumps({**saved, "attention": "splash", "remat": "full"}))
+    model, _, _ = wd.load_model(str(copy))
+    assert (model.cfg.attention, model.cfg.remat) == ("xla", "none")
+    c = get_config("ar", eval__thresholds=(1.0,))
+    a = evaluate.evaluate(c, str(copy))["ar_nll"]
+    plain = tmp_path / "xla_run"  # a copy: evaluate writes its report into the run
+    shutil.copytree(workdir, plain)
+    b = evaluate.evaluate(c, str(plain))["ar_nll"]
+    assert a == b
