@@ -42,29 +42,22 @@ compile-only defaults of launch/memory_plan.py.
 
 from __future__ import annotations
 
+# First: its import sets libtpu's compile-only environment before jax loads.
+from launch import memory_plan  # isort: skip
+
+import json
 import os
+import time
 
-# Before anything imports jax (launch/memory_plan.py's defaults).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-if os.environ["JAX_PLATFORMS"] == "cpu":
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+import jax
+import optax
+from absl import flags
 
-import json  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import optax  # noqa: E402
-from absl import flags  # noqa: E402
-
-from benchmarks import decode_hlo  # noqa: E402
-from benchmarks.train_step import step_flops  # noqa: E402
-from launch import memory_plan  # noqa: E402
-from mars_jax import cli, model, packing, sharding, train, train_step  # noqa: E402
-from mars_jax import config as config_lib  # noqa: E402
-from mars_jax.tokenizer import MASK_ID, load_tokenizer  # noqa: E402
+from benchmarks import decode_hlo
+from benchmarks.train_step import step_flops
+from mars_jax import cli, model, packing, sharding, train, train_step
+from mars_jax import config as config_lib
+from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
 # Dense bf16 peak FLOP/s per chip, from Google Cloud's TPU system architecture pages
 # (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e).

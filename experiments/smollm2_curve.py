@@ -35,11 +35,6 @@ from absl import flags
 
 from mars_jax import cli, evaluate, storage, train
 
-EVAL_STEPS = flags.DEFINE_list("eval_steps", ["0", "100", "200"], "Steps to evaluate at.")
-OUTPUT = flags.DEFINE_string(
-    "output", "experiments/results/smollm2_curve.json", "The curve's JSON (plot beside it)."
-)
-RUN = flags.DEFINE_string("run", "", "The run's name in the rows (default: the objective).")
 ROW_KEYS = ("tokens_per_forward", "accuracy", "mean_length")
 
 
@@ -188,11 +183,16 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     config = cli.config_flag()
     workdir = cli.workdir_flag("The run's directory (checkpoints, metrics, evaluations).")
+    eval_steps = flags.DEFINE_list("eval_steps", ["0", "100", "200"], "Steps to evaluate at.")
+    output = flags.DEFINE_string(
+        "output", "experiments/results/smollm2_curve.json", "The curve's JSON (plot beside it)."
+    )
+    name = flags.DEFINE_string("run", "", "The run's name in the rows (default: the objective).")
 
     def run():
         cfg = config.value
-        name = RUN.value or cfg.objective.name
-        curve(cfg, workdir.value, [int(s) for s in EVAL_STEPS.value], OUTPUT.value, name)
+        steps = [int(s) for s in eval_steps.value]
+        curve(cfg, workdir.value, steps, output.value, name.value or cfg.objective.name)
 
     cli.run(run)
 

@@ -50,6 +50,14 @@ def tiny_config(stage="ar", *layers, **overrides):
     return cfg
 
 
+def config_file(name: str, stage: str):
+    """``configs/<name>.py``'s config for ``stage``, loaded by path as ``--config`` loads it."""
+    spec = importlib.util.spec_from_file_location(f"_{name}", ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(stage)
+
+
 def complete(path, prompts, *, block_size=None, step=None, **kwargs):
     """`generate.complete` with the model at ``path`` (`sources.open` at ``block_size`` and
     ``step``); the keyword arguments that are not complete's are its `DecodeOptions` fields."""

@@ -13,35 +13,29 @@ from mars_jax.config import ObjectiveConfig
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import mars_loss
 
+CFG = ModelConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+)
+OBJ = ObjectiveConfig(name="mars", block_size=4, normalization="sequence", mask_id=127)
+
 
 def test_splash_under_a_mesh_matches_dense(monkeypatch):
     """On a (data 2, tensor 2) mesh of 4 CPU devices splash runs inside shard_map (rows over
     data, heads over tensor): the MARS loss and gradients equal dense attention's."""
     real = attention._splash
     monkeypatch.setattr(attention, "_splash", lambda *a, **k: real(*a, interpret=True))
-    cfg = ModelConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-    )
+    cfg = CFG
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 120, (4, 64)).astype(np.int32)
     labels = np.where(np.arange(64)[None] >= 20, ids, IGNORE_INDEX).astype(np.int32)
-    obj = ObjectiveConfig(
-        name="mars",
-        block_size=4,
-        ar_weight=1.0,
-        normalization="sequence",
-        max_label_tokens=None,
-        mask_id=127,
-        ce_chunk_size=0,
-        noisy_weighting="none",
-    )
+    obj = OBJ
     host = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
     mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
     rules = sharding.logical_rules()
@@ -76,16 +70,7 @@ def test_packed_splash_under_a_mesh_matches_the_rows_unpacked(monkeypatch):
 
     real = attention._splash
     monkeypatch.setattr(attention, "_splash", lambda *a, **k: real(*a, interpret=True))
-    cfg = ModelConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-    )
+    cfg = CFG
     rng = np.random.default_rng(1)
     rows = []
     for r, (p, a) in enumerate([(3, 5), (9, 40), (2, 2), (30, 26), (5, 11), (12, 4), (1, 15)]):
@@ -94,16 +79,7 @@ def test_packed_splash_under_a_mesh_matches_the_rows_unpacked(monkeypatch):
         rows.append(Example(ids, labels, r))
     sequences = packing.pack(rows, max_length=64, block_size=4, seed=0)
     sequences += sequences[: len(sequences) % 2]  # an even number of rows for data 2
-    obj = ObjectiveConfig(
-        name="mars",
-        block_size=4,
-        ar_weight=1.0,
-        normalization="sequence",
-        max_label_tokens=None,
-        mask_id=127,
-        ce_chunk_size=0,
-        noisy_weighting="none",
-    )
+    obj = OBJ
 
     def host_batch(units):
         batch = batched_dataset(

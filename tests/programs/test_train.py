@@ -112,23 +112,29 @@ class _Interrupted(Exception):
     pass
 
 
-def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
-    """Kill the run right after its step-2 checkpoint is written, restart it in the same
-    workdir: the final parameters and logged losses equal those of the straight 4-step run."""
-    straight, cfg, _ = stage1
-    workdir = str(tmp_path / "resumed")
+def interrupt_after_save(monkeypatch, cfg, workdir: str, step: int) -> None:
+    """Trains ``cfg`` in ``workdir`` and kills the run right after its step-``step`` checkpoint
+    is written (an exception out of the save), as a crash would."""
     real_save = Checkpoints.save
 
-    def save_then_die(self, step, state):
-        real_save(self, step, state)
-        if step == 2:
+    def save_then_die(self, at, state):
+        real_save(self, at, state)
+        if at == step:
             self.close()
             raise _Interrupted
 
     monkeypatch.setattr(Checkpoints, "save", save_then_die)
     with pytest.raises(_Interrupted):
-        train.train(get_config("ar"), workdir)
+        train.train(cfg, workdir)
     monkeypatch.undo()
+
+
+def test_resume_equals_uninterrupted_run(stage1, tmp_path, monkeypatch):
+    """Kill the run right after its step-2 checkpoint is written, restart it in the same
+    workdir: the final parameters and logged losses equal those of the straight 4-step run."""
+    straight, cfg, _ = stage1
+    workdir = str(tmp_path / "resumed")
+    interrupt_after_save(monkeypatch, get_config("ar"), workdir, step=2)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
     assert [m["step"] for m in read_metrics(workdir)] == [1, 2]
 
@@ -783,18 +789,7 @@ def test_packed_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     straight = str(tmp_path / "straight")
     train.train(cfg(), straight)
     workdir = str(tmp_path / "resumed")
-    real_save = Checkpoints.save
-
-    def save_then_die(self, step, state):
-        real_save(self, step, state)
-        if step == 2:
-            self.close()
-            raise _Interrupted
-
-    monkeypatch.setattr(Checkpoints, "save", save_then_die)
-    with pytest.raises(_Interrupted):
-        train.train(cfg(), workdir)
-    monkeypatch.undo()
+    interrupt_after_save(monkeypatch, cfg(), workdir, step=2)
     train.train(cfg(), workdir)
     resumed, expected = read_metrics(workdir), read_metrics(straight)
     assert [m["loss"] for m in resumed] == [m["loss"] for m in expected]

@@ -2,24 +2,20 @@
 tiny model in SmolLM2's layout and 24 GSM8K rows: its points are the evaluations of the steps
 asked for, the rows seen are those the training logged, and a rerun adds nothing."""
 
-import importlib.util
 import json
 
 import pytest
 
 from experiments import smollm2_curve
 from mars_jax import config
-from tests.helpers import ROOT, write_smol_layout
+from tests.helpers import ROOT, config_file, write_smol_layout
 
 pytestmark = pytest.mark.slow
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 
 
 def load(stage):
-    spec = importlib.util.spec_from_file_location("_c", ROOT / "configs" / "smollm2_curve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(stage)
+    return config_file("smollm2_curve", stage)
 
 
 def test_both_stages_pass_the_checks():

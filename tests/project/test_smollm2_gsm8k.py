@@ -7,16 +7,11 @@ import os
 
 from experiments import smollm2_report
 from mars_jax import config
-from tests.helpers import ROOT
+from tests.helpers import config_file
 
 
 def load(stage):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_c", ROOT / "configs" / "smollm2_gsm8k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(stage)
+    return config_file("smollm2_gsm8k", stage)
 
 
 def test_both_stages_pass_the_checks():
