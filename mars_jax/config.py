@@ -431,9 +431,25 @@ def mesh_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
     return sizes
 
 
-def check_devices(cfg, num_devices: int, heads: tuple[int, int] | None = None) -> None:
-    """Mesh, head and batch checks for ``num_devices`` devices; ``heads`` (num_heads,
-    num_kv_heads) of the model to train, default ``cfg.model``'s. Raises SettingError."""
+# The attention kernels bound to one kind of device (jax.default_backend()'s name for it).
+_KERNEL_BACKENDS = {"splash": "tpu", "cudnn": "gpu"}
+
+
+def check_devices(
+    cfg, num_devices: int, heads: tuple[int, int] | None = None, backend: str | None = None
+) -> None:
+    """Mesh, head, batch and kernel checks for ``num_devices`` devices of ``backend`` (None: not
+    checked); ``heads`` (num_heads, num_kv_heads) of the model to train, default ``cfg.model``'s.
+    Raises SettingError."""
+    kernel = _KERNEL_BACKENDS.get(cfg.model.attention)
+    if backend is not None and kernel is not None and backend != kernel:
+        here = [a for a in ATTENTION if _KERNEL_BACKENDS.get(a, backend) == backend]
+        raise SettingError(
+            "model.attention",
+            cfg.model.attention,
+            f"runs on {kernel.upper()} only and this run's devices are {backend.upper()}: pass "
+            f"--config.model.attention=xla (or another that runs here: {', '.join(here[1:])})",
+        )
     sizes = mesh_sizes(cfg.mesh, num_devices)
     rules = dict(sharding.logical_rules(cfg.mesh.rules))
 

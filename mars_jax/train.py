@@ -315,7 +315,8 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     run lock goes on ``stack``."""
     check_init_from(cfg, workdir)
     model_cfg = model_config(cfg)
-    config.check_devices(cfg, jax.device_count(), (model_cfg.num_heads, model_cfg.num_kv_heads))
+    heads = (model_cfg.num_heads, model_cfg.num_kv_heads)
+    config.check_devices(cfg, jax.device_count(), heads, jax.default_backend())
     tok = load_tokenizer(tokenizer_source(cfg))
     examples = load_train_examples(cfg, tok)
     vocab_map = build_vocab_map(cfg, workdir, tok, examples) if cfg.data.trim_vocab else None

@@ -209,3 +209,29 @@ def test_every_shipped_config_passes_the_checks(name, stage):
         check(cfg)
     except errors.MissingPath as e:  # the user's to supply, or absent here
         assert not e.value or not Path(e.value).exists(), str(e)
+
+
+@pytest.mark.parametrize(
+    "attention, backend, fails",
+    [
+        ("splash", "cpu", True),
+        ("splash", "gpu", True),
+        ("splash", "tpu", False),
+        ("cudnn", "cpu", True),
+        ("cudnn", "tpu", True),
+        ("cudnn", "gpu", False),
+        ("xla", "cpu", False),
+        ("chunked", "tpu", False),
+    ],
+)
+def test_attention_kernel_must_run_on_the_devices(attention, backend, fails):
+    """A device-bound kernel on other devices is refused before anything compiles (the paper
+    configs train with splash: a GPU user is told which to pass instead)."""
+    cfg = tiny(model__attention=attention)
+    if not fails:
+        config.check_devices(cfg, 1, backend=backend)
+        return
+    with pytest.raises(errors.SettingError) as e:
+        config.check_devices(cfg, 1, backend=backend)
+    one_line_error(e, "model.attention=", attention, backend.upper(), "attention=xla")
+    config.check_devices(cfg, 1)  # the backend left out: not checked

@@ -119,6 +119,7 @@ def compute():
     run_cfg = NS(
         train=NS(
             warmup_ratio=0.0,
+            schedule="linear",
             learning_rate=1e-2,
             grad_clip=1.0,
             weight_decay=0.01,
