@@ -969,9 +969,7 @@ def run_two_stage_qwen0_5b(commands, request, tmp_path):
         command,
         # The config packs rows into sequences of 512 (shorter ones make a batch of 2 from 8
         # rows) and trains with TPU's splash kernel (a CPU runs XLA's, as the docs say).
-        TRAIN_SMOKE
-        + EVAL_SMOKE
-        + ["--config.data.max_length=128", "--config.model.attention=xla"],
+        TRAIN_SMOKE + EVAL_SMOKE + ["--config.data.max_length=128", "--config.model.attention=xla"],
         subs={"runs/qwen0_5b": run, "/models/Qwen2.5-0.5B-Instruct": hf, "/data/sft.jsonl": sft},
     )
     check_run_dir(run)
