@@ -4,7 +4,6 @@ configuration errors."""
 
 import json
 import tempfile
-from types import SimpleNamespace as NS
 
 import jax
 import numpy as np
@@ -19,6 +18,7 @@ from mars_jax.config import ObjectiveConfig
 from mars_jax.model import ModelConfig, Qwen2
 from mars_jax.objectives import loss_fn
 from mars_jax.train_step import build_train_step, optimizer
+from tests.helpers import tiny_config
 
 # The placement of every parameter under sharding.DEFAULT_RULES, written out by hand from the
 # rules (vocab, heads, kv_heads, mlp -> tensor; embed -> fsdp; layers, norm -> replicated).
@@ -116,17 +116,17 @@ def compute():
         ce_chunk_size=0,
         noisy_weighting="none",
     )
-    run_cfg = NS(
-        train=NS(
-            warmup_ratio=0.0,
-            schedule="linear",
-            learning_rate=1e-2,
-            grad_clip=1.0,
-            weight_decay=0.01,
-            batch_size=rows,
-            grad_accum_steps=2,
-        ),
-        data=NS(max_length=length),
+    run_cfg = tiny_config(
+        "mars",
+        train__warmup_ratio=0.0,
+        train__schedule="linear",
+        train__learning_rate=1e-2,
+        train__grad_clip=1.0,
+        train__weight_decay=0.01,
+        train__batch_size=rows,
+        train__grad_accum_steps=2,
+        data__max_length=length,
+        data__packing=False,
     )
 
     host_params = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
