@@ -30,11 +30,14 @@ Cache modes (``cache_mode``):
   one more forward writes the block to the cache, so rows wait for each other at block ends.
 - ``none``: no cache; every step recomputes the whole sequence (the plain semantics, for tests).
 
-Sampling (``temperature`` > 0) draws each candidate from softmax(logits / temperature) by
-Gumbel-max, with noise keyed by the row's seed and the *position* it is drawn for:
-``fold_in(key(seed_r), p)``. A token's draw thus depends only on its row's seed, the position and
-the logits there, never on the row's place in the batch, the other rows, the padding width or
-how many forwards (or waits at block ends) the row needed. A request decodes the same alone and
+Sampling (``temperature`` > 0) draws each candidate from softmax(logits / temperature), within
+the row's top_p nucleus, by Gumbel-max. Temperature and top_p only choose the candidate: the
+confidence a threshold compares is the model's own probability of it (softmax at temperature 1,
+before top_p), so a lower temperature or top_p makes the draw greedier, never the acceptance
+looser, and temperature -> 0 decodes as greedy. The noise is keyed by the row's seed and the
+*position* it is drawn for: ``fold_in(key(seed_r), p)``. A token's draw thus depends only on
+its row's seed, the position and the logits there, never on the row's place in the batch, the
+other rows, the padding width or how many forwards (or waits at block ends) the row needed. A request decodes the same alone and
 in any batch, in every cache mode (``sliding`` and ``none`` also agree with each other; ``block``
 is another scheme). A position drawn again after its candidate was rejected reuses its noise:
 where the mask's distribution equals the AR one, the token kept is exactly an AR sample. Rows
@@ -716,16 +719,11 @@ class Decoder:
             return self._result(s)
 
     # -- the traced pieces ------------------------------------------------------------------------
-    def _project(self, model: Qwen2, s: DecodeState, hidden: jax.Array) -> jax.Array:
-        """fp32 logits [R, C, V] of hidden states [R, C, D], as `_sampled`."""
-        return self._sampled(s, model.logits(hidden))
-
     def _sampled(self, s: DecodeState, logits: jax.Array) -> jax.Array:
         """The model's logits [R, C, V] as each sampling row draws from them: divided by its
-        temperature, those outside its top_p nucleus at the float minimum (confidences are then
-        those of the distribution sampled from). Greedy rows' logits are left as they are."""
-        if not self.settings.sampling:
-            return logits
+        temperature, those outside its top_p nucleus at the float minimum. Only the draw reads
+        them (confidences and log-probabilities are the model's own). Greedy rows' logits are
+        left as they are."""
         t = s.temperature[:, None, None]
         logits = logits / jnp.where(t > 0, t, 1.0)
         nucleus = (s.temperature > 0) & (s.top_p < 1.0)
@@ -754,10 +752,12 @@ class Decoder:
         return jax.lax.cond(jnp.any(s.want_logprobs & ~s.done), write, lambda s: s, s)
 
     def _choose(self, s: DecodeState, logits: jax.Array, positions: jax.Array) -> jax.Array:
-        """int32 [R, C]: greedy or sampled candidates from `_project`'s logits [R, C, V], where
-        candidate [r, c] is the token at position positions[r, c] (int32 [R, C]). A sampling row
-        adds Gumbel noise keyed by fold_in(row_keys[r], position) (module docstring)."""
+        """int32 [R, C]: greedy or sampled candidates from the model's fp32 logits [R, C, V],
+        where candidate [r, c] is the token at position positions[r, c] (int32 [R, C]). A
+        sampling row draws from `_sampled`'s logits with Gumbel noise keyed by
+        fold_in(row_keys[r], position) (module docstring)."""
         if self.settings.sampling:
+            logits = self._sampled(s, logits)
 
             def noise(key, position):
                 key = jax.random.fold_in(key, position)
@@ -904,7 +904,7 @@ class Decoder:
         if st.cache_mode == "sliding":
             return s.replace(cache=cache, cache_cursor=prompt_lengths - 1)
         last = read_window(hidden, prompt_lengths - 1, 1)
-        first = self._choose(s, self._project(model, s, last), prompt_lengths[:, None])
+        first = self._choose(s, model.logits(last), prompt_lengths[:, None])
         return s.replace(
             cache=cache,
             cache_cursor=prompt_lengths,
@@ -961,10 +961,9 @@ class Decoder:
         hidden, cache = self._forward(model, ids, start, s.cache)
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
-        raw = model.logits(read_window(hidden, first, B))  # [R, B, V]
-        logits = self._sampled(s, raw)
+        logits = model.logits(read_window(hidden, first, B))  # [R, B, V]
         token = self._choose(s, logits, s.committed[:, None] + jnp.arange(B))
-        s = self._record(s, raw, token)
+        s = self._record(s, logits, token)
         if not self.acceptance.drafts:
             ok = _confident(self.acceptance.confidence(logits, token), s.threshold)
             count, hit_eos = _count(token, ok, eos, self._budget(s))
@@ -988,7 +987,7 @@ class Decoder:
         # follows it; they are valid only where every draft was accepted.
         if B > 1:
             after = read_window(hidden, first + s.num_drafts + 1, B - 1)
-            draft_logits = self._project(model, s, after)
+            draft_logits = model.logits(after)
             new_drafts = self._choose(s, draft_logits, (s.committed + s.num_drafts)[:, None] + i)
             sure = _confident(self.acceptance.confidence(draft_logits, new_drafts), s.threshold)
             # The next step accepts at most its drafts + 1 tokens: no more drafts than that uses.
@@ -1021,7 +1020,7 @@ class Decoder:
         ids = jnp.where(block_pos[None] < filled[:, None], block, st.mask_id)
         hidden, cache = self._forward(model, ids, start, s.cache)  # block keys rewritten later
         # Candidate for block position i: the prefix's prediction (i = 0) or slot i-1's output.
-        logits = self._project(model, s, hidden[:, : B - 1])
+        logits = model.logits(hidden[:, : B - 1])
         token = self._choose(s, logits, start[:, None] + block_pos[None, 1:])
         conf = self.acceptance.confidence(logits, token)
         cand = jnp.concatenate([block[:, :1], token], axis=1)  # [R, B]
@@ -1065,7 +1064,7 @@ class Decoder:
         start = s.cache_cursor
         hidden, cache = self._forward(model, read_window(s.tokens, start, B), start, s.cache)
         # The next block's first token.
-        token = self._choose(s, self._project(model, s, hidden[:, B - 1 :]), (start + B)[:, None])
+        token = self._choose(s, model.logits(hidden[:, B - 1 :]), (start + B)[:, None])
         zero = jnp.zeros_like(start)
         return self._advance(
             s,
@@ -1170,8 +1169,8 @@ def generate(
       options.max_new_tokens: 0 returns empty completions (tokens [R, 0], zero counts) after
         the argument checks, without compiling or running the model.
       options.cache_mode, options.rule: module docstring.
-      options.temperature: > 0 uses the sampled token's confidence (of the distribution
-        sampled from: after temperature and ``options.top_p``).
+      options.temperature, options.top_p: choose the candidates (> 0: sampled); the threshold
+        compares the model's own probability of each (module docstring).
       eos_ids: tokens that end a row; the output is cut before the first one, even where a
         forward accepted tokens past it.
       mask_id: id of <|mask|>.

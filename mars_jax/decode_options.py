@@ -103,6 +103,8 @@ class DecodeOptions:
     temperature: 0 greedy; > 0 samples each candidate from softmax(logits / temperature).
     top_p: in (0, 1]; a sampled candidate is drawn from the smallest set of the most likely
       tokens whose probabilities sum to >= top_p (nucleus sampling; 1.0: every token).
+      Temperature and top_p choose candidates only: the threshold compares the model's own
+      probability of each (softmax at temperature 1), so neither loosens acceptance.
     cache_mode: a `CacheMode` (or its name); rule: a `Rule` (or its name), or the name of a
       rule registered in `ACCEPTANCE_RULES`. ``verify``
       reproduces greedy AR decoding: it needs temperature 0 and a cache mode other than block.

@@ -112,12 +112,16 @@ def reference_mars(
     mask_id=MASK_ID,
     rule="prob",
     max_accept=None,
+    temperature=0.0,
+    top_p=1.0,
+    seed=0,
 ):
     """The MARS acceptance rule, uncached: each step forwards committed tokens + B-1 masks
     (positions n .. n+B-2) and reads the outputs at n-1 .. n+B-2 as candidates for n .. n+B-1;
     the first is accepted, then left to right while confidence (`rule_confidence`) >= threshold
     (exactly one when threshold >= 1) and at most ``max_accept`` per step; accepting stops
-    after an EOS and at the budget.
+    after an EOS and at the budget. With ``temperature`` > 0 the candidates are drawn as
+    `sample` draws them and the confidence is the model's own probability of each (``prob``).
 
     Returns (completion cut before the first EOS, accepted incl. EOS, forwards, per-step lists).
     """
@@ -126,8 +130,13 @@ def reference_mars(
     while True:
         n = len(seq)
         logits = fwd.logits(seq + [mask_id] * (block_size - 1), n - 1, block_size)
-        tokens = np.argmax(logits, axis=-1)
-        conf = rule_confidence(logits, rule)
+        if temperature > 0:
+            assert rule == "prob"
+            tokens = [sample(logits[i], temperature, top_p, seed, n + i) for i in range(block_size)]
+            conf = [model_probability(logits[i], t) for i, t in enumerate(tokens)]
+        else:
+            tokens = np.argmax(logits, axis=-1)
+            conf = rule_confidence(logits, rule)
         step, finished = [], False
         for i in range(min(block_size, max_accept or block_size)):
             if i > 0 and (threshold >= 1.0 or not conf[i] >= threshold):
@@ -143,6 +152,30 @@ def reference_mars(
             break
     cut = next((i for i, t in enumerate(out) if t in eos), len(out))
     return out[:cut], len(out), len(steps), steps
+
+
+def sample(logits, temperature, top_p, seed, position) -> int:
+    """The token drawn from logits [V] at ``position`` by a row of seed ``seed``, in numpy:
+    argmax of logits / temperature, outside the top_p nucleus (the fewest most likely tokens
+    whose probabilities sum to >= top_p) at -inf, plus the Gumbel noise of
+    fold_in(key(seed), position) (the decoder's keying, `mars_jax.decode`)."""
+    z = np.asarray(logits, np.float64) / temperature
+    if top_p < 1.0:
+        order = np.argsort(-z)
+        p = np.exp(z[order] - z[order[0]])
+        p /= p.sum()
+        before = np.cumsum(p) - p
+        z = np.where(np.isin(np.arange(z.size), order[before < top_p]), z, -np.inf)
+    key = jax.random.fold_in(jax.random.key(np.uint32(seed)), position)
+    noise = np.asarray(jax.random.gumbel(key, z.shape, jnp.float32), np.float64)
+    return int(np.argmax(z + noise))
+
+
+def model_probability(logits, token) -> np.float32:
+    """The model's own probability of ``token`` under logits [V] (softmax at temperature 1)."""
+    z = np.asarray(logits, np.float64)
+    p = np.exp(z - z.max())
+    return np.float32(p[token] / p.sum())
 
 
 def rule_confidence(logits, rule):
