@@ -164,9 +164,11 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    """A chat message. Its content is a string or a list of text parts (read as one list)."""
+    """A chat message. Its content is a string or a list of text parts (read as one list; null
+    for an assistant's, read as empty). ``developer`` (what OpenAI's SDK sends for newer
+    models) is rendered as ``system``, OpenAI's own mapping for models without that role."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: list[TextPart]
     name: str | None = None  # OpenAI's participant name: accepted, not rendered
     # What an OpenAI client sends back with an assistant message it received: only as null.
@@ -177,13 +179,21 @@ class Message(_Strict):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _parts(cls, value: Any) -> Any:
+    def _parts(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("role") == "assistant":
+            return []
         error = PydanticCustomError("content_type", "must be a string or a list of text parts")
         return _listed(value, lambda text: {"type": "text", "text": text}, error)
 
     @property
     def text(self) -> str:
-        return "".join(p.text for p in self.content)
+        """The content's text parts joined by newlines (as vLLM joins them)."""
+        return "\n".join(p.text for p in self.content)
+
+    @property
+    def template_role(self) -> str:
+        """The role the chat template is given."""
+        return "system" if self.role == "developer" else self.role
 
 
 # The fields of `UNSUPPORTED`, each any value (None when absent), checked by `_Request`.

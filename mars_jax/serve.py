@@ -8,8 +8,8 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
 The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is) and ``POST
-/v1/chat/completions`` (``messages``: roles system, user, assistant, each content a string or a
-list of text parts, rendered with the run's chat template), ``GET /v1/models``, ``GET /health``.
+/v1/chat/completions`` (``messages``: roles system, developer (rendered as system), user,
+assistant, each content a string or a list of text parts, rendered with the run's chat template), ``GET /v1/models``, ``GET /health``.
 Requests and responses are the typed models of `mars_jax.openai_protocol` (OpenAI's wire
 format, read in strict mode: a boolean is not a number, a float not an integer). Per request:
 ``model`` (this server's name, or absent), ``max_tokens`` or ``max_completion_tokens`` (default
@@ -45,6 +45,7 @@ server stops and exits 1 for a supervisor to restart it. ``/health`` is 200 only
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import json
 import os
@@ -137,7 +138,7 @@ class Server:
         else:
             for i, m in enumerate(req.messages):
                 self._check_length(m.text, f"messages[{i}].content")
-            messages = [{"role": m.role, "content": m.text} for m in req.messages]
+            messages = [{"role": m.template_role, "content": m.text} for m in req.messages]
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True)
             where = "messages"
         limit = self.engine.max_prompt_len
@@ -266,9 +267,9 @@ class Server:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def logprobs(self, kind: str, entries, offset: int = 0):
+    def logprobs(self, kind: str, entries, offsets: TextOffsets | None = None):
         """The log-probabilities of ``entries`` (`Piece.logprobs`) in endpoint ``kind``'s shape
-        (``offset``: the completion's characters before them)."""
+        (``offsets``: the completion's text before them; a stream passes the same one on)."""
         text = lambda t: self.tok.token_bytes(t).decode("utf-8", errors="replace")
         if kind == "chat":
 
@@ -283,17 +284,31 @@ class Server:
                 for t, lp, alts in entries
             ]
             return protocol.ChatLogprobs(content=content)
-        tokens = [text(t) for t, _, _ in entries]
-        offsets = []
-        for piece in tokens:
-            offsets.append(offset)
-            offset += len(piece)
+        offsets = offsets or TextOffsets()
         return protocol.CompletionLogprobs(
-            tokens=tokens,
+            tokens=[text(t) for t, _, _ in entries],
             token_logprobs=[lp for _, lp, _ in entries],
             top_logprobs=[{text(a): v for a, v in alts} for _, _, alts in entries],
-            text_offset=offsets,
+            text_offset=offsets.of([self.tok.token_bytes(t) for t, _, _ in entries]),
         )
+
+
+class TextOffsets:
+    """Where each token's text starts in a completion's text, in characters (OpenAI's
+    ``text_offset``): the tokens' bytes go through one incremental UTF-8 decoder, so a
+    character split across tokens is counted once, by the token that completes it."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0  # characters of the text so far
+
+    def of(self, pieces: Sequence[bytes]) -> list[int]:
+        """The offsets of the next tokens, given their bytes."""
+        out = []
+        for data in pieces:
+            out.append(self.chars)
+            self.chars += len(self._decoder.decode(data))
+        return out
 
 
 def usage(ids, tokens: Sequence[int], forwards: Sequence[int]) -> dict:
@@ -481,7 +496,7 @@ async def _stream(request, kind, server, parsed: Parsed, pieces) -> web.StreamRe
     )
     await response.prepare(request)
     rid, answer = _rid(kind), _Answer(len(parsed.requests))
-    started, offsets = set(), [0] * len(parsed.requests)
+    started, offsets = set(), [TextOffsets() for _ in parsed.requests]
     try:
         try:
             async for piece in pieces:
@@ -490,7 +505,6 @@ async def _stream(request, kind, server, parsed: Parsed, pieces) -> web.StreamRe
                 logprobs = None
                 if parsed.requests[i].logprobs is not None:
                     logprobs = server.logprobs(kind, piece.logprobs or [], offsets[i])
-                    offsets[i] += sum(len(t) for t in getattr(logprobs, "tokens", []))
                 choice = dict(
                     index=i,
                     text=piece.text,

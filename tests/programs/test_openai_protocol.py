@@ -66,13 +66,19 @@ def test_a_chat_request_takes_string_and_text_part_contents():
                     "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                 },
                 {"role": "assistant", "content": ""},
+                {"role": "developer", "content": "use tools"},
+                {"role": "assistant", "content": None},
             ],
             "stop": ["x", "yz"],
         },
     )
-    assert [(m.role, m.text) for m in req.messages] == [
+    # Text parts joined by newlines (vLLM's rule); developer rendered as system (OpenAI's
+    # mapping); an assistant's null content read as empty.
+    assert [(m.template_role, m.text) for m in req.messages] == [
         ("system", "be brief"),
-        ("user", "ab"),
+        ("user", "a\nb"),
+        ("assistant", ""),
+        ("system", "use tools"),
         ("assistant", ""),
     ]
     assert req.stops == ["x", "yz"]

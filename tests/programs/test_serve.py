@@ -146,6 +146,50 @@ def test_openai_client_completions_chat_and_streaming(live, model, tok):
     ]
     assert "".join(streamed) == tok.decode(expected)
 
+    # What agents and newer SDKs send: a developer message (rendered as system, OpenAI's
+    # mapping), content in text parts (joined by newlines, as vLLM joins them), an assistant
+    # turn whose content is null.
+    turns = [
+        {"role": "developer", "content": "Answer briefly."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "12 * 7?"}, {"type": "text", "text": "Steps."}],
+        },
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Go on."},
+    ]
+    rendered = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "12 * 7?\nSteps."},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "Go on."},
+    ]
+    agent = c.chat.completions.create(
+        model="tiny", messages=turns, max_tokens=8, extra_body={"threshold": 0.9}
+    )
+    agent_ids = tok.apply_chat_template(rendered, add_generation_prompt=True)
+    assert agent.choices[0].message.content == tok.decode(alone(model, agent_ids, 8, 0.9))
+    assert agent.usage.prompt_tokens == len(agent_ids)
+
+
+def test_text_offsets_count_characters_of_the_text(tok):
+    """text_offset is where each token's text starts in the returned text, in characters: a
+    character whose bytes span tokens is counted once (per-piece lengths ran past the text)."""
+    text = "naïve café: 世界の🙂 🦜🪿 ᚠᛇᚻ ok"
+    ids = tok.encode(text)
+    pieces = [tok.token_bytes(t) for t in ids]
+    assert b"".join(pieces).decode() == text
+    assert any(p.decode("utf-8", errors="replace") != p.decode("utf-8", "ignore") for p in pieces)
+    offsets = serve.TextOffsets().of(pieces)
+    for k, offset in enumerate(offsets):
+        # The longest prefix of the text whose bytes the first k tokens hold.
+        held = b"".join(pieces[:k])
+        assert offset == max(c for c in range(len(text) + 1) if held.startswith(text[:c].encode()))
+    # Streamed in chunks, the offsets run on.
+    stream = serve.TextOffsets()
+    assert stream.of(pieces[:3]) + stream.of(pieces[3:]) == offsets
+    assert stream.chars == len(text)
+
 
 def test_concurrent_requests_with_stop_strings(live, model, tok):
     """9 requests at once through 4 slots, mixed thresholds, budgets and stop strings (the
