@@ -18,8 +18,8 @@ append one row per threshold:
 ``nll`` is the AR teacher-forced NLL of the reference answers, ``agreement`` the fraction of
 completions equal to the threshold-1.0 one, ``train_hours`` the wall clock spent training this
 run up to s (this machine, as measured by this script). Step 0 is the untuned ``init_from``
-(a Hugging Face directory), evaluated at threshold 1.0 as an AR model (it has no mask row yet)
-through a directory of links beside the workdir, so nothing is written into the model's own.
+(a Hugging Face directory), evaluated at threshold 1.0 as an AR model (it has no mask row yet),
+its report in ``untuned/`` beside the workdir (nothing is written into the model's own).
 The plot (``--output`` with ".png"): tokens per forward at 0.9 and 0.8 against step and against
 rows seen, and the AR NLL of every run. A rerun resumes where it stopped; a kill loses at most the
 segment in flight. The JSON is rewritten whole after each point.
@@ -70,24 +70,13 @@ def rows_seen(workdir: str, step: int) -> int:
     return int(sum(records[s]["rows"] for s in range(1, step + 1)))
 
 
-def untuned_dir(cfg, workdir: str) -> str:
-    """A directory of links to ``init_from``'s files beside ``workdir`` (evaluate writes its
-    report into the directory it evaluates, never into the model's own)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(workdir)), "untuned")
-    os.makedirs(path, exist_ok=True)
-    for name in os.listdir(cfg.init_from):
-        link = os.path.join(path, name)
-        if not os.path.lexists(link):
-            os.symlink(os.path.realpath(os.path.join(cfg.init_from, name)), link)
-    return path
-
-
 def point(cfg, workdir: str, step: int, run: str, train_hours: float) -> list[dict]:
     """The rows of one evaluation (`evaluate.evaluate`) of step ``step``."""
     if step == 0:
         c = cfg.copy_and_resolve_references()
         c.eval.thresholds, c.eval.block_size = (1.0,), 1
-        report = evaluate.evaluate(c, untuned_dir(cfg, workdir))
+        untuned = os.path.join(os.path.dirname(os.path.abspath(workdir)), "untuned")
+        report = evaluate.evaluate(c, cfg.init_from, output_dir=untuned)
     else:
         report = evaluate.evaluate(cfg, workdir, step=step)
     seen = rows_seen(workdir, step)

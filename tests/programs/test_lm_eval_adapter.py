@@ -446,3 +446,16 @@ def test_chat_contexts_keep_spelled_control_tokens_as_text(lm):
     assert ids == lm.tokenizer.apply_chat_template(history, True)
     assert ids != lm.tokenizer.encode(text) and 151665 not in ids
     assert lm.tok_encode(text + " 7") == ids + lm.tokenizer.encode(" 7")
+
+
+def test_without_lm_eval_the_adapter_says_how_to_install_it():
+    """lm_eval is an optional dependency: importing the adapter without it names the extra."""
+    code = (
+        "import sys; sys.modules['lm_eval'] = None\n"
+        "try:\n    import mars_jax.lm_eval_adapter\n"
+        "except ModuleNotFoundError as e:\n    print(e.name, '|', e)\n"
+    )
+    proc = run_python("-c", code)
+    name, message = proc.stdout.strip().split(" | ")
+    assert name == "lm_eval"
+    assert "pip install -e '.[lm-eval]'" in message and "lm_eval==0.4.13" in message

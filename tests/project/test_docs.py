@@ -124,3 +124,20 @@ def test_the_readme_module_map_shows_the_wings_of_the_layout_test():
     from tests.project.test_layout import WINGS
 
     assert readme_module_map() == [(wing, list(modules)) for wing, modules in reversed(WINGS)]
+
+
+def test_every_extra_the_docs_name_is_spelled_as_pip_reads_it():
+    """`pip install -e ".[X]"` in the docs names an extra of the installed metadata exactly:
+    setuptools records ``lm_eval`` as ``lm-eval``, and the pip that ``python3 -m venv`` brings
+    (23.2) then installs nothing for ``.[lm_eval]`` and exits 0."""
+    import importlib.metadata
+
+    provided = set(importlib.metadata.metadata("mars-jax").get_all("Provides-Extra") or ())
+    named = {
+        extra
+        for page in [*PAGES, ROOT / "tests" / "project" / "test_documented_commands.py"]
+        for group in re.findall(r"pip install -e [\"']?\.\[([^\]]+)\]", page.read_text())
+        for extra in group.split(",")
+    }
+    assert named, "no extra named in the docs"
+    assert named <= provided, f"named {sorted(named)}; the package provides {sorted(provided)}"

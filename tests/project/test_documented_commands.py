@@ -287,7 +287,7 @@ REGISTRY = [
     (
         "smollm2_evaluate",
         r"python -m mars_jax\.evaluate --config=configs/smollm2_gsm8k\.py:ar "
-        r"--workdir=models/smollm2",
+        r"--workdir=models/smollm2 --output_dir=runs/smollm2_untuned",
         Covered(
             "tests/project/test_real_model.py::test_evaluate_scores_as_transformers_completions_grade",
             "evaluate on 4 GSM8K questions: the grading of transformers' completions",
@@ -1159,7 +1159,7 @@ def run_export(commands, request, tmp_path):
 def run_lm_eval_local(commands, request, tmp_path):
     needs_shared_data()
     if importlib.util.find_spec("lm_eval") is None:
-        pytest.skip("lm_eval is not installed (pip install -e .[lm_eval])")
+        pytest.skip("lm_eval is not installed (pip install -e '.[lm-eval]')")
     run = request.getfixturevalue("tiny_run")
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "ds")}
     for command in commands:

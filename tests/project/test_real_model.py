@@ -9,7 +9,6 @@ row (`model.add_vocab_rows`): at threshold 1.0 it must still decode transformers
 """
 
 import dataclasses
-import os
 from pathlib import Path
 
 import jax
@@ -199,11 +198,12 @@ def test_served_chat_completions_equal_transformers(server, hf, opened):
 def test_evaluate_scores_as_transformers_completions_grade(smollm2_dir, hf, tmp_path):
     """evaluate on GSM8K test questions at threshold 1.0: its accuracy is the grading of
     transformers' own greedy completions of the same prompts (8 questions here; the
-    64-question figure is in docs/results.md)."""
-    run = tmp_path / "smollm2"
-    run.mkdir()
-    for f in os.listdir(smollm2_dir):  # evaluate writes its report into the directory
-        os.symlink(Path(smollm2_dir) / f, run / f)
+    64-question figure is in docs/results.md). The model cache it reads stays as it was: the
+    report goes to the output folder."""
+    listing = lambda d: sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in d.iterdir()
+    )
+    before = listing(Path(smollm2_dir))
     num, new = 4, 64
     cfg = config.defaults("ar")
     cfg.data.source = "gsm8k"
@@ -217,7 +217,9 @@ def test_evaluate_scores_as_transformers_completions_grade(smollm2_dir, hf, tmp_
         nll_examples=2,
         batch_size=num,
     )
-    report = evaluate.evaluate(cfg, str(run))
+    report = evaluate.evaluate(cfg, str(smollm2_dir), output_dir=str(tmp_path / "report"))
+    assert listing(Path(smollm2_dir)) == before
+    assert (tmp_path / "report" / "eval.json").exists()
     source, fmt, seed = eval_source(cfg)
     examples = eval_examples(source, num_examples=num, fmt=fmt, seed=seed)
     tok = hf[1]

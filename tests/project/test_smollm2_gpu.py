@@ -1,7 +1,8 @@
-"""launch/smollm2_gpu_parts.sh and launch/smollm2_gpu.sh (the SmolLM2 fine-tune prepared for a
-lent GPU): the GGUF's two parts join to the package's file, and the whole pipeline runs on CPU
-at its smoke size with a tiny model in SmolLM2's layout, writing the curve, the speed table and
-the summary."""
+"""SmolLM2 on machines that lack something: tools/smollm2.py names the packages it needs;
+launch/smollm2_gpu_parts.sh and launch/smollm2_gpu.sh (the fine-tune prepared for a lent GPU):
+the GGUF's two parts join to the package's file, and the whole pipeline runs on CPU at its smoke
+size with a tiny model in SmolLM2's layout, writing the curve, the speed table and the
+summary."""
 
 import hashlib
 import json
@@ -69,3 +70,20 @@ def test_the_pipeline_at_its_smoke_size(tmp_path, smollm2_dir):
     assert "| step | rows seen | threshold |" in summary
     assert (out / "decode_speed" / "decode_speed.md").read_text() in summary
     assert (out / "smollm2_gpu_curve.png").stat().st_size > 1000
+
+
+def test_the_builder_names_every_package_it_lacks(monkeypatch, tmp_path):
+    """Without gguf and accelerate (a fresh install following the README), the builder names
+    both and the install line before reading anything (transformers named one at a time)."""
+    import importlib.util
+
+    from tools import smollm2
+
+    real = importlib.util.find_spec
+    lacking = lambda name, *a: None if name in ("gguf", "accelerate") else real(name, *a)
+    monkeypatch.setattr(importlib.util, "find_spec", lacking)
+    with pytest.raises(ModuleNotFoundError) as e:
+        smollm2.write_directory(tmp_path / "SmolLM2.gguf", tmp_path / "out")
+    assert "missing: gguf, accelerate" in str(e.value)
+    assert smollm2.NEEDS_INSTALL in str(e.value)
+    assert not (tmp_path / "out").exists()
