@@ -517,6 +517,14 @@ class Trainer:
         self.skips.add(done, values["skipped"], row_ids)
         if done % t.log_every == 0 or done == self.num_steps:
             self._log(done, values)
+        elif done == self.start + 1:  # a sign of life before the first record
+            logging.info(
+                "step %d done (%.0f s since the start, compilation included); metrics every %d "
+                "steps",
+                done,
+                time.time() - self.t0,
+                t.log_every,
+            )
         return done
 
     def _log(self, done: int, values: dict) -> None:

@@ -859,3 +859,16 @@ def test_a_run_trained_with_splash_is_evaluated_anywhere(stage1, tmp_path):
     shutil.copytree(workdir, plain)
     b = evaluate.evaluate(c, str(plain))["ar_nll"]
     assert a == b
+
+
+def test_the_first_step_says_it_is_done_before_the_first_record(tmp_path, caplog):
+    """With train.log_every beyond the first steps, step 1 still logs a line (a user saw
+    nothing for 110 s); the metrics records stay at log_every and the last step."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    workdir = str(tmp_path / "quiet")
+    train.train(get_config("ar", train__num_steps=3, train__log_every=5), workdir)
+    first = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1 done")]
+    assert len(first) == 1 and first[0].endswith("metrics every 5 steps")
+    assert [m["step"] for m in read_metrics(workdir)] == [3]
