@@ -317,6 +317,9 @@ class DecodeState:
     new_tokens: int32 [R], tokens accepted so far (an EOS included).
     done: bool [R], the row accepted an EOS or reached ``max_new_tokens``.
     row_forwards: int32 [R], forwards in which the row was active.
+    token_forwards: int32 [R, S], at each committed position of a completion, the row's forwards
+      up to the one that accepted the token (a server counts an answer's forwards up to the
+      token that ends it, not those a device call ran after).
     forwards: int32 [], forwards of the batch.
 
     Log-probabilities (None unless `DecoderSettings.logprobs` is set; K its value):
@@ -341,6 +344,7 @@ class DecodeState:
     new_tokens: jax.Array
     done: jax.Array
     row_forwards: jax.Array
+    token_forwards: jax.Array
     forwards: jax.Array
     logprobs: jax.Array | None = None
     top_ids: jax.Array | None = None
@@ -368,6 +372,7 @@ class NewTokens:
     tokens: int32 [R, W], row r's tokens from position prompt_lengths[r] + sent[r]; only the first
       new_tokens[r] - sent[r] are committed (the rest are drafts or stale).
     new_tokens, row_forwards: int32 [R], as in `DecodeState`. forwards: int32 [], the batch's.
+    token_forwards: int32 [R, W], those of ``tokens`` (`DecodeState`).
     logprobs [R, W], top_ids and top_logprobs [R, W, K]: those of ``tokens`` (`DecodeState`),
       None where the decoder records none."""
 
@@ -375,6 +380,7 @@ class NewTokens:
     new_tokens: Any
     row_forwards: Any
     forwards: Any
+    token_forwards: Any = None
     logprobs: Any = None
     top_ids: Any = None
     top_logprobs: Any = None
@@ -651,7 +657,13 @@ class Decoder:
         at = state.prompt_lengths[:, None] + sent[:, None] + jnp.arange(width)
         at = jnp.minimum(at, slots - 1)
         tokens = jnp.take_along_axis(state.tokens, at, axis=1)
-        new = NewTokens(tokens, state.new_tokens, state.row_forwards, state.forwards)
+        new = NewTokens(
+            tokens,
+            state.new_tokens,
+            state.row_forwards,
+            state.forwards,
+            token_forwards=jnp.take_along_axis(state.token_forwards, at, axis=1),
+        )
         if state.logprobs is None:
             return new
         return new.replace(
@@ -670,11 +682,9 @@ class Decoder:
         while (new.new_tokens - sent > width * len(pieces)).any():
             more = self.new_tokens(state, sent + width * len(pieces), width)
             pieces.append(jax.device_get(more))
-        names = (
-            ("tokens",)
-            if new.logprobs is None
-            else ("tokens", "logprobs", "top_ids", "top_logprobs")
-        )
+        names = ("tokens", "token_forwards")
+        if new.logprobs is not None:
+            names += ("logprobs", "top_ids", "top_logprobs")
         return new.replace(
             **{n: np.concatenate([getattr(p, n) for p in pieces], axis=1) for n in names}
         )
@@ -801,6 +811,11 @@ class Decoder:
             jax.debug.callback(st.on_accept, accepted, count, ordered=True)
         new_tokens = s.new_tokens + count
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+        row_forwards = s.row_forwards + (active & forward)
+        token_forwards = s.token_forwards
+        if accepted is not None:  # the accepted tokens' forward (stale past count: rewritten)
+            at = jnp.broadcast_to(row_forwards[:, None], accepted.shape)
+            token_forwards = keep(write_window(s.token_forwards, at, s.committed), s.token_forwards)
         return s.replace(
             cache=cache,
             tokens=_rowwise(keep(tokens, s.tokens)),
@@ -809,7 +824,8 @@ class Decoder:
             num_drafts=s.num_drafts if num_drafts is None else keep(num_drafts, s.num_drafts),
             new_tokens=new_tokens,
             done=s.done | hit_eos | (new_tokens >= s.max_new_tokens),
-            row_forwards=s.row_forwards + (active & forward),
+            row_forwards=row_forwards,
+            token_forwards=_rowwise(token_forwards),
             forwards=s.forwards + forward,
         )
 
@@ -850,6 +866,7 @@ class Decoder:
             new_tokens=jnp.zeros((rows,), jnp.int32),
             done=jnp.zeros((rows,), bool),
             row_forwards=jnp.zeros((rows,), jnp.int32),
+            token_forwards=_rowwise(jnp.zeros((rows, slots), jnp.int32)),
             forwards=jnp.int32(0),
             **self._logprob_slots(rows, slots),
         )

@@ -70,7 +70,10 @@ class Update:
     """What a request received in one turn: ``tokens`` committed since the last update (EOS
     left out), ``done`` with ``finish_reason`` ("stop": an EOS; "length": the budget;
     "cancelled"; "error": a failed device call, ``error`` saying which), and the request's
-    counts so far. With the request's ``logprobs``: ``logprobs`` [float] of ``tokens`` under
+    counts so far: ``forwards`` up to its last token handed out (those a device call ran after
+    the answer ended are not its), and ``token_forwards`` [int], each of ``tokens``' forwards up
+    to it (a caller that cuts the answer at a stop string counts up to there). With the
+    request's ``logprobs``: ``logprobs`` [float] of ``tokens`` under
     the model (`decode.DecodeState.logprobs`) and ``top_logprobs`` [[(id, logprob)]], each
     token's most likely alternatives."""
 
@@ -80,6 +83,7 @@ class Update:
     completion_tokens: int = 0
     forwards: int = 0
     error: str | None = None
+    token_forwards: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -254,6 +258,7 @@ class Engine:
         self._streams: list[Stream | None] = [None] * slots  # decoding
         self._prefills: list[_Prefill] = []  # groups of requests being prefilled
         self._sent = [0] * slots  # tokens handed to each slot's stream
+        self._forwards = [0] * slots  # its forwards up to the last of them
         self._waiting: collections.deque[Stream] = collections.deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -383,7 +388,11 @@ class Engine:
         rows = bucket(len(streams), self.slots)
         padded = streams + [None] * (rows - len(streams))
         empty = Request((self.pad_id,), 1)
-        state = self._begin([empty if s is None else s.request for s in padded])
+        try:
+            state = self._begin([empty if s is None else s.request for s in padded])
+        except Exception as error:  # noqa: BLE001 - the group's own: it fails alone
+            self._fail_group(streams, error)
+            return
         longest = max(len(s.request.prompt_ids) for s in streams)
         width = width_for(longest, self.prefill_chunk)
         self._prefills.append(_Prefill(padded, free[: len(streams)], state, width))
@@ -408,7 +417,12 @@ class Engine:
                         piece = stream.request.prompt_ids[p.done : p.done + p.width]
                         chunk[r, : len(piece)] = piece
                 start = np.full((len(p.streams),), p.done, np.int32)
-                p.state = self.decoder.prefill_chunk(self.params, p.state, chunk, start)
+                try:
+                    p.state = self.decoder.prefill_chunk(self.params, p.state, chunk, start)
+                except Exception as error:  # noqa: BLE001 - the group's own: it fails alone
+                    self._prefills.remove(p)
+                    self._fail_group(p.streams, error)
+                    continue
                 p.done += p.width
             if p.done >= p.longest:
                 self._prefills.remove(p)
@@ -418,6 +432,7 @@ class Engine:
                     if stream is not None:
                         slots[r] = slot
                         self._streams[slot], self._sent[slot] = stream, 0
+                        self._forwards[slot] = 0
                 self.state = self.decoder.insert(self.state, p.state, slots)
 
     def warmup(self) -> int:
@@ -472,8 +487,16 @@ class Engine:
                 reason = "length"
             if reason is None and stream.cancelled.is_set():
                 reason = "cancelled"
+            token_forwards = new.token_forwards[slot, : len(fresh)].tolist()
+            if token_forwards:
+                self._forwards[slot] = token_forwards[-1]
             update = Update(
-                fresh, reason is not None, reason, self._sent[slot], int(new.row_forwards[slot])
+                fresh,
+                reason is not None,
+                reason,
+                self._sent[slot],
+                self._forwards[slot],
+                token_forwards=token_forwards,
             )
             if stream.request.logprobs is not None:
                 self._add_logprobs(update, new, slot, stream.request.logprobs)
@@ -495,7 +518,9 @@ class Engine:
     def start(self) -> None:
         """Runs the host loop in a daemon thread until `stop`.
 
-        A turn that raises (a failed device call) ends the requests in flight with
+        A prefill that raises (one group's own program: its state is not the batch's) ends
+        that group's requests with finish_reason "error", and the others go on. Any other turn
+        that raises (a failed device call) ends the requests in flight with
         finish_reason "error" (their ``error`` naming it) and rebuilds the batch state, whose
         donated buffers may be gone; the engine is not `healthy` until a request decodes again
         (with none waiting, it decodes a one-token probe of its own, after a pause that doubles
@@ -525,6 +550,21 @@ class Engine:
         self._thread = threading.Thread(target=loop, name="mars-engine", daemon=True)
         self._thread.start()
 
+    def _fail_group(self, streams, error: Exception) -> None:
+        """A prefill group's own program raised ``error`` (e.g. out of memory on a long
+        prompt): its requests end with finish_reason "error"; the batch state is not its, so
+        the requests decoding go on."""
+        self.failures += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        logging.error("prefill failed: %s", self.last_error, exc_info=error)
+        for stream in streams:
+            if stream is not None:
+                stream.put(
+                    Update(
+                        [], True, "error", error=f"prefill failed on the device: {self.last_error}"
+                    )
+                )
+
     def _fail(self, error: Exception) -> None:
         """A turn raised ``error``: see `start`."""
         self.failures += 1
@@ -540,6 +580,7 @@ class Engine:
         message = f"decoding failed on the device: {self.last_error}"
         in_flight = [*self._streams, *(s for p in self._prefills for s in p.streams)]
         self._streams, self._sent = [None] * self.slots, [0] * self.slots
+        self._forwards = [0] * self.slots
         self._prefills.clear()
         if self._failed_in_a_row < self.max_failures:
             try:

@@ -18,7 +18,7 @@ from flax import nnx
 from mars_jax import decode, engine
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
-from mars_jax.tokenizer import DEFAULT_EOS_IDS
+from mars_jax.tokenizer import DEFAULT_EOS_IDS, IM_END_ID
 from tests.decode_oracles import (
     CFG,
     Uncached,
@@ -27,6 +27,7 @@ from tests.decode_oracles import (
     qwen_engine,
     qwen_generate,
     reference_mars,
+    swap_head_columns,
 )
 
 B, SLOTS, WIDTH, MAX_NEW = 4, 3, 12, 16
@@ -74,6 +75,23 @@ def alone_output(model, request: engine.Request) -> decode.DecodeOutput:
     )
 
 
+def answer_forwards(model, request: engine.Request, n: int) -> int:
+    """The uncached reference's forwards up to the n-th token of the request's answer."""
+    fwd = Uncached(model, WIDTH + MAX_NEW + B)
+    *_, steps = reference_mars(
+        fwd,
+        list(request.prompt_ids),
+        block_size=B,
+        threshold=request.threshold,
+        max_new=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+    )
+    accepted = np.cumsum([len(step) for step in steps])
+    return int(np.searchsorted(accepted, n) + 1) if n else 0
+
+
 def requests(n, seed=0):
     lengths = np.random.default_rng(seed).integers(1, WIDTH + 1, size=n)
     _, _, prompts = make_batch(lengths.tolist(), seed=seed)
@@ -105,12 +123,38 @@ def test_staggered_requests_decode_as_alone(model, eng):
         out = alone_output(model, request)
         assert tokens == out.tokens[0, : out.lengths[0]].tolist(), request
         assert last.done and last.completion_tokens == len(tokens)
-        # Forwards as alone: a row stops at its own budget inside a 3-forward device call.
-        assert last.forwards == out.row_forwards[0], request
+        # The answer's forwards, up to its last token: a row stops at its own budget inside a
+        # 3-forward device call, and an EOS accepted in a later forward than the last token
+        # (which the answer leaves out) does not count.
+        assert last.forwards == answer_forwards(model, request, len(tokens)), request
         expected = "length" if len(tokens) == request.max_tokens else "stop"
         assert last.finish_reason == expected
         assert not set(tokens) & set(DEFAULT_EOS_IDS)
     assert eng.active == 0 and eng.waiting == 0
+
+
+def test_an_answer_ended_by_its_eos_counts_no_forward_after_its_last_token(model):
+    """At threshold 1.0 an answer of k tokens took k forwards, though the EOS that ended it took
+    one more in the same device call (`generate` counts that one: it counts the EOS)."""
+    request = engine.Request(tuple(range(5, 12)), max_tokens=MAX_NEW, threshold=1.0)
+    tokens = alone(model, request)
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    ended = swap_head_columns(model, tokens[k], IM_END_ID)  # the EOS where tokens[k] was
+    eng = qwen_engine(
+        ended,
+        slots=SLOTS,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=4,
+    )
+    stream = eng.submit(request)
+    while eng.run_once():
+        pass
+    got, last = stream.result(timeout=1)
+    assert got == tokens[:k] and last.finish_reason == "stop"
+    assert last.forwards == k == answer_forwards(ended, request, k)
+    assert alone_output(ended, request).row_forwards[0] == k + 1
 
 
 def test_streamed_updates_add_up_and_threads_work(model, eng):
@@ -316,6 +360,51 @@ class FaultyDecoder:
         if self.broken.is_set():
             raise RuntimeError("INTERNAL: injected device fault")
         return out
+
+
+class PoisonedPrefill:
+    """A `Decoder` whose ``prefill_chunk`` raises for a chunk holding ``poison`` (an
+    out-of-memory on one request's long prompt, say)."""
+
+    def __init__(self, decoder, poison: int):
+        self.decoder, self.poison = decoder, poison
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+    def prefill_chunk(self, params, state, chunk, start):
+        if (np.asarray(chunk) == self.poison).any():
+            raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory in a prefill")
+        return self.decoder.prefill_chunk(params, state, chunk, start)
+
+
+def test_a_failed_prefill_ends_its_own_request_only(model):
+    """A request whose prefill raises ends with finish_reason "error" naming why, while the
+    requests already decoding go on and finish as alone; the engine stays healthy."""
+    eng = qwen_engine(
+        model,
+        slots=3,
+        max_prompt_len=WIDTH,
+        max_new_tokens=MAX_NEW,
+        block_size=B,
+        steps_per_call=1,
+    )
+    poison = 4242
+    eng.decoder = PoisonedPrefill(eng.decoder, poison)
+    live = [engine.Request((5, 6, 7, 8), MAX_NEW), engine.Request((9, 10, 11), MAX_NEW, 0.9)]
+    streams = [eng.submit(r) for r in live]
+    eng.run_once()  # admitted and prefilled
+    eng.run_once()  # decoding
+    assert all(eng._sent[slot] for slot in range(2))
+    bad = eng.submit(engine.Request((1, poison, 3), MAX_NEW))
+    while eng.run_once():
+        pass
+    tokens, last = bad.result(timeout=1)
+    assert (tokens, last.finish_reason) == ([], "error")
+    assert "injected out of memory" in last.error and "prefill" in last.error
+    for request, stream in zip(live, streams):
+        assert stream.result(timeout=1)[0] == alone(model, request)
+    assert eng.healthy and eng.failures == 1 and not eng.dead.is_set()
 
 
 def wait_until(condition, timeout=120.0):
