@@ -9,7 +9,9 @@ The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is) and ``POST
 /v1/chat/completions`` (``messages``: roles system, developer (rendered as system), user,
-assistant, each content a string or a list of text parts, rendered with the run's chat template), ``GET /v1/models``, ``GET /health``.
+assistant, each content a string or a list of text parts, rendered with the run's chat
+template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
+`mars_jax.serve_metrics`).
 Requests and responses are the typed models of `mars_jax.openai_protocol` (OpenAI's wire
 format, read in strict mode: a boolean is not a number, a float not an integer). Per request:
 ``model`` (this server's name, or absent), ``max_tokens`` or ``max_completion_tokens`` (default
@@ -60,7 +62,7 @@ from typing import Sequence
 from absl import flags, logging
 from aiohttp import web
 
-from mars_jax import cli, engine, sharding, sources
+from mars_jax import cli, engine, serve_metrics, sharding, sources
 from mars_jax import openai_protocol as protocol
 from mars_jax.decode_options import DecodeOptions
 from mars_jax.detokenizer import Detokenizer
@@ -114,6 +116,7 @@ class Server:
         """``special_tokens``: the ids the tokenizer adds before and after a completions prompt's
         text (`sources.Opened.special_tokens`: Llama 3's BOS), as transformers encodes it."""
         self.engine, self.tok, self.model_name = eng, tok, model_name
+        self.metrics = serve_metrics.ServerMetrics(eng)
         self.max_waiting = max_waiting
         self.special_tokens = special_tokens
         self.closing = False
@@ -210,6 +213,7 @@ class Server:
             request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)
         )
         text = Detokenizer(self.tok, stops)
+        forwards = 0
         try:
             while True:
                 update = await updates.get()
@@ -223,14 +227,16 @@ class Server:
                 if reason is None and update.done:
                     delta += text.finish()
                     reason = "length" if update.finish_reason == "length" else "stop"
+                read = text.tokens - before  # the tokens up to a stop string
+                if read:  # the answer's forwards: up to its last token read
+                    forwards = update.token_forwards[read - 1]
                 logprobs = None
                 if update.logprobs is not None:
-                    read = text.tokens - before  # the tokens up to a stop string
                     logprobs = list(zip(update.tokens, update.logprobs, update.top_logprobs))[:read]
                 if reason is not None:
                     stream.cancel()
                 if delta or reason is not None or logprobs:
-                    yield Piece(index, delta, reason, text.tokens, update.forwards, logprobs)
+                    yield Piece(index, delta, reason, text.tokens, forwards, logprobs)
                 if reason is not None:
                     return
         finally:
@@ -325,7 +331,29 @@ def usage(ids, tokens: Sequence[int], forwards: Sequence[int]) -> dict:
 
 def build_app(server: Server) -> web.Application:
     """The aiohttp application of ``server``: the endpoints of the module docstring."""
-    app = web.Application(client_max_size=4 << 20)
+
+    @web.middleware
+    async def observed(request: web.Request, handler):
+        """Each completion request's status, latency and choices into ``server.metrics``."""
+        if request.method != "POST":
+            return await handler(request)
+        request[ARRIVED] = start = time.perf_counter()
+        response = await handler(request)
+        server.metrics.observe(
+            request.path,
+            response.status,
+            time.perf_counter() - start,
+            request.get(ANSWER),
+            request.get(PROMPT_TOKENS, 0),
+        )
+        return response
+
+    async def metrics(_):
+        return web.Response(
+            body=server.metrics.scrape(), headers={"Content-Type": serve_metrics.CONTENT_TYPE}
+        )
+
+    app = web.Application(client_max_size=4 << 20, middlewares=[observed])
 
     async def health(_):
         eng = server.engine
@@ -380,11 +408,12 @@ def build_app(server: Server) -> web.Application:
                     raise RequestError(
                         f"the decoding engine failed: {server.engine.last_error}", None, 503
                     )
+                request[PROMPT_TOKENS] = len(parsed.ids)
                 pieces = server.choices(parsed)
                 try:
                     if parsed.streaming:
                         return await _stream(request, kind, server, parsed, pieces)
-                    answer = _Answer(len(parsed.requests))
+                    answer = request[ANSWER] = _Answer(len(parsed.requests), request)
                     async for piece in pieces:
                         answer.add(piece)
                 finally:
@@ -411,21 +440,33 @@ def build_app(server: Server) -> web.Application:
 
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", handler("completions"))
     app.router.add_post("/v1/chat/completions", handler("chat"))
     return app
 
 
+# What a completion request leaves for the metrics middleware (`build_app`).
+ARRIVED = web.RequestKey("arrived", float)  # time.perf_counter() at its arrival
+ANSWER = web.RequestKey("answer", object)  # its `_Answer`
+PROMPT_TOKENS = web.RequestKey("prompt_tokens", int)
+
+
 class _Answer:
     """The choices of one request as their `Piece`s come: text, finish reasons, counts and
-    log-probabilities per choice."""
+    log-probabilities per choice, and the seconds from the request's arrival (``request``'s,
+    `build_app`'s middleware) to its first token."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, request=None):
+        self.arrived = request.get(ARRIVED) if request is not None else None
+        self.first_token_seconds: float | None = None
         self.text, self.reasons = [""] * n, [None] * n
         self.tokens, self.forwards = [0] * n, [0] * n
         self.logprobs: list[list] = [[] for _ in range(n)]
 
     def add(self, piece: Piece) -> None:
+        if piece.tokens and self.first_token_seconds is None and self.arrived is not None:
+            self.first_token_seconds = time.perf_counter() - self.arrived
         i = piece.index
         self.text[i] += piece.text
         self.reasons[i] = piece.finish_reason
@@ -495,7 +536,8 @@ async def _stream(request, kind, server, parsed: Parsed, pieces) -> web.StreamRe
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    rid, answer = _rid(kind), _Answer(len(parsed.requests))
+    rid, answer = _rid(kind), _Answer(len(parsed.requests), request)
+    request[ANSWER] = answer
     started, offsets = set(), [TextOffsets() for _ in parsed.requests]
     try:
         try:

@@ -191,6 +191,76 @@ def test_text_offsets_count_characters_of_the_text(tok):
     assert stream.chars == len(text)
 
 
+def scrape(running) -> dict:
+    """{(name, sorted labels): value} of the server's /metrics, read by prometheus_client's own
+    parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(running.url + "/metrics", timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_known_requests(live, model, tok):
+    """After a completion, a streamed chat, a request of two choices and a refused one, the
+    Prometheus counters, histograms and gauges move by what those requests returned."""
+    server, running = live
+    before = scrape(running)
+    prompt = "Natalia sold clips to 48 of her friends"
+    one = post(running, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "threshold": 0.9})
+    two = post(running, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "n": 2})
+    chat = client(running).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(chat)
+    bad = post(running, "/v1/completions", {"prompt": ""})
+    after = scrape(running)
+    delta = lambda name, **labels: (
+        after.get((name, tuple(sorted(labels.items()))), 0)
+        - before.get((name, tuple(sorted(labels.items()))), 0)
+    )
+    assert one[0] == two[0] == 200 and bad[0] == 400
+    assert delta("mars_requests_total", endpoint="/v1/completions", status="200") == 2
+    assert delta("mars_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert delta("mars_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    usages = [one[1]["usage"], two[1]["usage"]]
+    chat_tokens = len(
+        tok.encode("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    )
+    streamed = [c.usage for c in chunks if c.usage is not None]
+    assert len(streamed) == 1
+    assert (
+        delta("mars_completion_tokens_total")
+        == sum(u["completion_tokens"] for u in usages) + streamed[0].completion_tokens
+    )
+    assert delta("mars_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages) + (
+        streamed[0].prompt_tokens
+    )
+    assert streamed[0].completion_tokens >= chat_tokens > 0
+    reasons = [c["finish_reason"] for body in (one[1], two[1]) for c in body["choices"]]
+    reasons.append(
+        next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    )
+    for reason in set(reasons):
+        assert delta("mars_choices_total", finish_reason=reason) == reasons.count(reason)
+    assert delta("mars_tokens_per_forward_count") == 4  # one per choice
+    assert delta("mars_tokens_per_forward_sum") >= 4 * 1.0 - 1e-9
+    assert delta("mars_time_to_first_token_seconds_count") == 3
+    assert delta("mars_request_latency_seconds_count") == 4
+    assert after[("mars_slots", ())] == SLOTS
+    assert after[("mars_queue_length", ())] == after[("mars_slots_in_use", ())] == 0
+    assert after[("mars_engine_failures_total", ())] == server.engine.failures
+
+
 def test_concurrent_requests_with_stop_strings(live, model, tok):
     """9 requests at once through 4 slots, mixed thresholds, budgets and stop strings (the
     last at threshold 1.0 with an odd budget: device calls are 2 forwards)."""
@@ -234,11 +304,13 @@ def test_concurrent_requests_with_stop_strings(live, model, tok):
         assert body["usage"]["completion_tokens"] == count, (prompt, stop)
         if stop:
             assert body["choices"][0]["finish_reason"] == "stop"
-    # At threshold 1.0 one token per forward, as `generate` counts: a row stops at its budget
-    # inside a device call (2 forwards), so no forward is counted past it.
-    plain = [(c, r) for c, r in zip(cases, results) if c[1] == 1.0 and not c[3]]
-    assert any(c[2] % 2 and c[5] == c[2] for c, _ in plain)  # an odd budget, reached
-    for _, (_, body) in plain:
+    # At threshold 1.0 one token per forward, whatever ends the answer: a row stops at its
+    # budget inside a device call (2 forwards), and an answer cut at a stop string counts its
+    # forwards up to the token that completes it, not those the device call ran after.
+    ar = [(c, r) for c, r in zip(cases, results) if c[1] == 1.0]
+    assert any(c[2] % 2 and c[5] == c[2] for c, _ in ar)  # an odd budget, reached
+    assert any(c[3] and c[5] < c[2] for c, _ in ar)  # a stop string before the budget
+    for _, (_, body) in ar:
         assert body["usage"]["tokens_per_forward"] == 1.0, body
 
 

@@ -48,6 +48,7 @@ WINGS = (
             "generate",
             "export",
             "lm_eval_adapter",
+            "serve_metrics",
             "serve",
         ),
     ),
