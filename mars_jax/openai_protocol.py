@@ -262,10 +262,11 @@ class _Request(_Unsupported):
 
 
 class CompletionRequest(_Request):
-    """A ``/v1/completions`` request: one prompt, a non-empty string (or a list of one);
+    """A ``/v1/completions`` request: one prompt, a non-empty string or a non-empty list of
+    token ids (either alone, or in a list of one: what lm_eval's ``local-completions`` sends);
     ``logprobs`` k: each token's log-probability and its k most likely alternatives."""
 
-    prompt: str = Field(min_length=1)
+    prompt: str | list[int]  # checked whole by _one_prompt (its errors name the field alone)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     top_logprobs: None = None  # chat's field: only null (the count is ``logprobs`` here)
 
@@ -277,13 +278,16 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            if len(value) == 1 and isinstance(value[0], str):
-                return value[0]
-            raise PydanticCustomError(
-                "prompt_list", "one prompt per request: a string (or a list of one string)"
-            )
-        return value
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and value and all(type(v) is int for v in value):
+            return value  # token ids
+        raise PydanticCustomError(
+            "prompt_type",
+            "one prompt per request: a non-empty string or list of token ids (or a list of one)",
+        )
 
 
 class ChatCompletionRequest(_Request):

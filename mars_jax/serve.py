@@ -7,7 +7,8 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
 
 The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
-Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is) and ``POST
+Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is, or token
+ids) and ``POST
 /v1/chat/completions`` (``messages``: roles system, developer (rendered as system), user,
 assistant, each content a string or a list of text parts, rendered with the run's chat
 template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
@@ -134,7 +135,9 @@ class Server:
                 "model",
                 404,
             )
-        if kind == "completions":
+        if kind == "completions" and isinstance(req.prompt, list):  # token ids, taken as they are
+            ids, where = self._check_ids(req.prompt), "prompt"
+        elif kind == "completions":
             self._check_length(req.prompt, "prompt")
             before, after = self.special_tokens  # the chat template writes its own
             ids, where = before + self.tok.encode(req.prompt) + after, "prompt"
@@ -192,6 +195,23 @@ class Server:
             for seed in seeds
         ]
         return Parsed(ids, requests, req.stops, req.streaming)
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        """A prompt of the tokenizer's ids, as the model's rows (a trimmed run maps them)."""
+        qwen = getattr(self.tok, "qwen", self.tok)  # a trimmed run's tokenizer wraps its own
+        vocab = len(qwen)
+        for k, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise RequestError(
+                    f"prompt[{k}]: token id {t} is outside the vocabulary [0, {vocab})", "prompt"
+                )
+        if len(ids) > self.engine.max_prompt_len:  # refused before it is copied anywhere
+            limit = self.engine.max_prompt_len
+            raise RequestError(
+                f"prompt: the prompt is {len(ids)} tokens; this server takes at most {limit}",
+                "prompt",
+            )
+        return list(ids) if qwen is self.tok else self.tok.model_ids(list(ids))
 
     def _check_length(self, text: str, param: str) -> None:
         # Far beyond any prompt that fits (a token is rarely under 1 character): refused unread.

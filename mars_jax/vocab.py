@@ -177,7 +177,8 @@ class MappedTokenizer:
         """The number of model ids."""
         return len(self.vocab)
 
-    def _to_model(self, ids: list[int]) -> list[int]:
+    def model_ids(self, ids: list[int]) -> list[int]:
+        """Model ids of the tokenizer's ``ids``; InputError naming the first the map lacks."""
         if missing := self.vocab.missing(ids):
             token = self.qwen.decode(missing[:1], skip_special_tokens=False)
             raise InputError(
@@ -190,11 +191,11 @@ class MappedTokenizer:
     def encode(self, text: str) -> list[int]:
         """Model ids of ``text`` (see `Tokenizer.encode`). Raises ValueError naming the first
         token of ``text`` that the map lacks."""
-        return self._to_model(self.qwen.encode(text))
+        return self.model_ids(self.qwen.encode(text))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Model ids of each string (see `Tokenizer.encode_batch`); raises as `encode`."""
-        return [self._to_model(ids) for ids in self.qwen.encode_batch(texts)]
+        return [self.model_ids(ids) for ids in self.qwen.encode_batch(texts)]
 
     @property
     def backend(self):
@@ -220,7 +221,7 @@ class MappedTokenizer:
         qwen = self.qwen.apply_chat_template(
             messages, add_generation_prompt, tools, content_as_text
         )
-        return self._to_model(qwen)
+        return self.model_ids(qwen)
 
 
 def stop_ids(tok) -> list[int]:

@@ -29,6 +29,14 @@ def accepted(kind: str, body):
     return parse_request(kind, json.dumps(body).encode())
 
 
+def test_a_completion_prompt_may_be_token_ids():
+    """As OpenAI's API takes them: a list of ids, or a list of one (lm_eval's
+    local-completions sends its prompts so)."""
+    assert accepted("completions", {"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert accepted("completions", {"prompt": [[7, 0]]}).prompt == [7, 0]
+    assert accepted("completions", {"prompt": ["text"]}).prompt == "text"
+
+
 def test_a_completion_request_and_its_defaults():
     req = accepted("completions", PROMPT)
     assert req.prompt == "hello" and req.stops == [] and not req.streaming
@@ -210,7 +218,11 @@ def test_user_and_stream_options_are_accepted_and_ignored():
         ("completions", {"prompt": None}, "prompt"),
         ("completions", {"prompt": ""}, "prompt"),
         ("completions", {"prompt": ["a", "b"]}, "prompt"),
-        ("completions", {"prompt": [1, 2]}, "prompt"),
+        ("completions", {"prompt": [[1, 2], [3]]}, "prompt"),  # one prompt per request
+        ("completions", {"prompt": []}, "prompt"),
+        ("completions", {"prompt": [[]]}, "prompt"),
+        ("completions", {"prompt": [1, True]}, "prompt"),  # a boolean is not a token id
+        ("completions", {"prompt": [1.0]}, "prompt"),
         # Messages, nested.
         ("chat", {}, "messages"),
         ("chat", {"messages": []}, "messages"),

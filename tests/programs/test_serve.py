@@ -172,6 +172,24 @@ def test_openai_client_completions_chat_and_streaming(live, model, tok):
     assert agent.usage.prompt_tokens == len(agent_ids)
 
 
+def test_a_prompt_of_token_ids_decodes_as_its_text(live, tok):
+    """A completions prompt of token ids (alone, or in a list of one as lm_eval's
+    local-completions sends it) is taken as it is: the same answer as the text it encodes; an
+    id outside the vocabulary is a 400 naming it."""
+    _, running = live
+    text = "Natalia sold clips to 48 of her friends"
+    body = {"max_tokens": 6, "threshold": 0.9}
+    by_text = post(running, "/v1/completions", {"prompt": text, **body})
+    for prompt in (tok.encode(text), [tok.encode(text)]):
+        status, answer = post(running, "/v1/completions", {"prompt": prompt, **body})
+        assert status == 200, answer
+        assert answer["choices"] == by_text[1]["choices"]
+        assert answer["usage"] == by_text[1]["usage"]
+    status, answer = post(running, "/v1/completions", {"prompt": [5, len(tok)], **body})
+    assert status == 400 and answer["error"]["param"] == "prompt"
+    assert f"prompt[1]: token id {len(tok)} is outside the vocabulary" in answer["error"]["message"]
+
+
 def test_text_offsets_count_characters_of_the_text(tok):
     """text_offset is where each token's text starts in the returned text, in characters: a
     character whose bytes span tokens is counted once (per-piece lengths ran past the text)."""
