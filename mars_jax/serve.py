@@ -8,10 +8,9 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
 The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is, or token
-ids) and ``POST
-/v1/chat/completions`` (``messages``: roles system, developer (rendered as system), user,
-assistant, each content a string or a list of text parts, rendered with the run's chat
-template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
+ids) and ``POST /v1/chat/completions`` (``messages``: roles system, developer (rendered as
+system), user, assistant, each content a string or a list of text parts, rendered with the
+run's chat template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
 `mars_jax.serve_metrics`).
 Requests and responses are the typed models of `mars_jax.openai_protocol` (OpenAI's wire
 format, read in strict mode: a boolean is not a number, a float not an integer). Per request:
