@@ -6,6 +6,7 @@ special token. Oracles: transformers' greedy ``generate`` (threshold 1.0 is AR d
 block size), and `decode.generate` of the same weights loaded on their own."""
 
 import json
+import os
 import logging
 
 import numpy as np
@@ -138,7 +139,7 @@ def test_without_a_mask_token_only_one_token_per_forward(released, tmp_path):
         sources.load_model(str(plain), step=3)
 
 
-def test_evaluate_serve_and_lm_eval_take_the_directory(released):
+def test_evaluate_serve_and_lm_eval_take_the_directory(released, tmp_path):
     _, path = released
     cfg = tiny_config(
         "mars",
@@ -150,9 +151,12 @@ def test_evaluate_serve_and_lm_eval_take_the_directory(released):
         eval__nll_examples=2,
         eval__timing_repeats=1,
     )
+    before = sorted(os.listdir(path))
     report = evaluate.evaluate(cfg, path)
     assert (report["step"], report["block_size"], report["num_examples"]) == (0, 4, 2)
-    assert json.loads(open(f"{path}/eval.json").read())["results"] == report["results"]
+    assert sorted(os.listdir(path)) == before  # a released directory is never written into
+    report = evaluate.evaluate(cfg, path, output_dir=str(tmp_path / "report"))
+    assert json.loads((tmp_path / "report" / "eval.json").read_text())["results"] == report["results"]
 
     opened = sources.open(path, block_size=4)
     options = opened.options(max_new_tokens=MAX_NEW, threshold=1.0)
