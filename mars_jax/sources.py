@@ -26,6 +26,7 @@ import dataclasses
 import json
 from typing import Any
 
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -164,20 +165,24 @@ def sharding_rules(path: str) -> sharding.Rules:
 
 def block_size_of(path: str, given: int | None = None) -> int:
     """``given`` if set; else a run's training block size, or a Hugging Face directory's
-    ``mars_block_size`` (config.json). Raises InputError for a Hugging Face directory that
-    records none, saying how to give it."""
+    ``mars_block_size`` (config.json); else 1 for a plain model (its tokenizer files declare no
+    ``<|mask|>``: never trained with MARS, it decodes as AR). Raises InputError for a MARS
+    model (it has ``<|mask|>``) that records no block size, saying how to give it."""
     if given is not None:
         return int(given)
     if kind(path) == "run":  # NotFound for a path that is neither (or does not exist)
         return wd.trained_block_size(path)
     recorded = _hf_config(path).get("mars_block_size")
-    if recorded is None:
-        raise InputError(
-            f"{storage.join(path, 'config.json')} records no mars_block_size: give the block "
-            "size the model was trained with (--block_size, or eval.block_size for evaluate; 1 "
-            "decodes one token per forward)"
-        )
-    return int(recorded)
+    if recorded is not None:
+        return int(recorded)
+    if load_tokenizer(path).mask_id is None:
+        logging.info("%s: a plain model (no <|mask|>): one token per forward (block size 1)", path)
+        return 1
+    raise InputError(
+        f"{storage.join(path, 'config.json')} records no mars_block_size, and its tokenizer "
+        "has <|mask|>: give the block size the model was trained with (--block_size, or "
+        "eval.block_size for evaluate)"
+    )
 
 
 def check_mask(tok, block_size: int, path: str) -> None:

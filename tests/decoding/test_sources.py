@@ -80,7 +80,9 @@ def test_mars_decoding_reads_the_mask_from_the_tokenizer_files(released):
 
 def test_block_size_comes_from_config_or_is_asked_for(released, tmp_path):
     _, path = released
-    with pytest.raises(InputError, match="records no mars_block_size"):
+    with pytest.raises(
+        InputError, match="records no mars_block_size, and its tokenizer has <.mask.>"
+    ):
         complete(path, [PROMPT], max_new_tokens=2)
     recorded = tmp_path / "b8"
     write_released(recorded, block_size=8)
@@ -116,11 +118,15 @@ def test_open_gives_the_ids_of_the_directory_s_own_files(released, tmp_path):
     }
     no_weights = tmp_path / "no_weights"
     shutil.copytree(path, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
-    with pytest.raises(InputError, match="records no mars_block_size"):
+    with pytest.raises(
+        InputError, match="records no mars_block_size, and its tokenizer has <.mask.>"
+    ):
         sources.open(str(no_weights))
     plain = tmp_path / "plain"
     write_released(plain, mask=False)
     assert sources.open(str(plain), block_size=1).mask_id is None
+    # A plain model (never trained with MARS) decodes one token per forward without a flag.
+    assert sources.open(str(plain)).block_size == 1
     with pytest.raises(InputError, match=r"declare no <\|mask\|> token"):
         sources.open(str(plain), block_size=4)
 
