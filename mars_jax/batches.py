@@ -11,7 +11,7 @@ import jinja2
 import numpy as np
 from absl import logging
 
-from mars_jax.chat import (
+from mars_jax.chat_rows import (
     SkipRow,
     assemble,
     chat_segments,
@@ -49,12 +49,12 @@ def build_examples(
     source_name: str = "",
     truncate: bool = True,
 ) -> tuple[list[Example], collections.Counter]:
-    """Tokenizes rows (see `mars_jax.chat`: `rows_to_messages`, `row_tools` and `tokenize_chat`)
+    """Tokenizes rows (see `mars_jax.chat_rows`: `rows_to_messages`, `row_tools` and `tokenize_chat`)
     with one batched encode.
 
     Skipped rows are counted by reason (those of `tokenize_chat`, plus template_error: the chat
     template raised while rendering the row, and template_timeout: it ran past
-    `chat.RENDER_SECONDS`) and logged with `source_name`, as is the number of
+    `chat_rows.RENDER_SECONDS`) and logged with `source_name`, as is the number of
     kept rows cut to `max_length` (`truncate`: see `tokenize_chat`).
 
     Returns:

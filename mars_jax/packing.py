@@ -1,6 +1,6 @@
 """Packed training sequences (``data.packing``): several rows in one sequence of ``max_length``.
 
-Rows (`batches.Example`, each a whole number of blocks: `chat.assemble` pads it with labelled
+Rows (`batches.Example`, each a whole number of blocks: `chat_rows.assemble` pads it with labelled
 EOS to a multiple of the block size) are taken in a seeded random order and packed first-fit:
 each goes into the lowest-numbered sequence that still has room for it, a new one when none
 has. A row is never split, so no block straddles two rows. A packed sequence carries, beside

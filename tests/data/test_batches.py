@@ -1,4 +1,4 @@
-"""Tests of mars_jax.rows, mars_jax.chat, mars_jax.batches and mars_jax.synthetic against the real
+"""Tests of mars_jax.rows, mars_jax.chat_rows, mars_jax.batches and mars_jax.synthetic against the real
 Qwen2.5 tokenizer and GSM8K."""
 
 import json
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mars_jax.batches import Example, batched_dataset, build_examples, eval_examples
-from mars_jax.chat import SkipRow, rows_to_messages, tokenize_chat
+from mars_jax.chat_rows import SkipRow, rows_to_messages, tokenize_chat
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.rows import read_rows
 from mars_jax.synthetic import arithmetic_problems

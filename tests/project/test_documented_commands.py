@@ -259,6 +259,14 @@ REGISTRY = [
         ),
     ),
     (
+        "chat",
+        r"python -m mars_jax\.chat --workdir=runs/tiny/mars --threshold=0\.9",
+        Covered(
+            "tests/programs/test_chat.py::test_the_command_reads_turns_from_stdin",
+            "the command on a tiny checkpoint, turns and /reset, /quit through its stdin",
+        ),
+    ),
+    (
         "smollm2_tool",
         r"python -m tools\.smollm2 --link=models/smollm2",
         Smoke("run_smollm2_tool", "the link made in a temporary folder; its config.json read"),

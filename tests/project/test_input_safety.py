@@ -24,7 +24,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from mars_jax import chat, huggingface, sharding
+from mars_jax import chat_rows, huggingface, sharding
 from mars_jax import tokenizer as T
 from mars_jax.batches import build_examples
 from mars_jax.model import ModelConfig, Qwen2, abstract_params
@@ -328,7 +328,7 @@ def test_a_template_that_loops_for_ever_is_a_counted_skip(offline, monkeypatch, 
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     tok = T.Tokenizer(offline._tok, template, "/models/x/chat_template.jinja")
-    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_rows, "RENDER_SECONDS", 0.5)
     rows = [
         {"messages": MESSAGES},
         {"messages": [{"role": "user", "content": "loop"}, MESSAGES[1]]},
