@@ -175,7 +175,7 @@ def block_size_of(path: str, given: int | None = None) -> int:
     recorded = _hf_config(path).get("mars_block_size")
     if recorded is not None:
         return int(recorded)
-    if load_tokenizer(path).mask_id is None:
+    if not load_tokenizer(path).mask_declared:
         logging.info("%s: a plain model (no <|mask|>): one token per forward (block size 1)", path)
         return 1
     raise InputError(
