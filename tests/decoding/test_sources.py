@@ -6,8 +6,8 @@ special token. Oracles: transformers' greedy ``generate`` (threshold 1.0 is AR d
 block size), and `decode.generate` of the same weights loaded on their own."""
 
 import json
-import os
 import logging
+import os
 
 import numpy as np
 import pytest
