@@ -162,7 +162,9 @@ def test_evaluate_serve_and_lm_eval_take_the_directory(released, tmp_path):
     assert (report["step"], report["block_size"], report["num_examples"]) == (0, 4, 2)
     assert sorted(os.listdir(path)) == before  # a released directory is never written into
     report = evaluate.evaluate(cfg, path, output_dir=str(tmp_path / "report"))
-    assert json.loads((tmp_path / "report" / "eval.json").read_text())["results"] == report["results"]
+    assert (
+        json.loads((tmp_path / "report" / "eval.json").read_text())["results"] == report["results"]
+    )
 
     opened = sources.open(path, block_size=4)
     options = opened.options(max_new_tokens=MAX_NEW, threshold=1.0)
