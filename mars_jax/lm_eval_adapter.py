@@ -284,10 +284,15 @@ class MarsLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt=True) -> str:
         """``chat_history`` rendered by the run's chat template (a str). Its ids, with message
         text that spells a control token kept as text (`Tokenizer.apply_chat_template`), are
-        kept for `tok_encode`: lm_eval hands the rendered string back as a context."""
-        text = self.tokenizer.render_chat(chat_history, add_generation_prompt)
+        kept for `tok_encode`: lm_eval hands the rendered string back as a context. Without
+        ``add_generation_prompt`` (a task's ``gen_prefix``: the history ends with the assistant's
+        opening words) the last message is continued, its turn left open, as HFLM renders it."""
+        keep_open = not add_generation_prompt
+        text = self.tokenizer.render_chat(
+            chat_history, add_generation_prompt, continue_final_message=keep_open
+        )
         self._rendered[text] = self.tokenizer.apply_chat_template(
-            chat_history, add_generation_prompt
+            chat_history, add_generation_prompt, continue_final_message=keep_open
         )
         return text
 

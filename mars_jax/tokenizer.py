@@ -253,9 +253,12 @@ class Tokenizer:
         add_generation_prompt: bool = False,
         tools: list[dict] | None = None,
         time_limit: float | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render ``messages`` with the chat template, as ``transformers``'
         ``apply_chat_template(tokenize=False, tools=tools)`` does; returns the prompt text.
+        ``continue_final_message`` ends the text where the last message's content ends (its turn
+        left open, as transformers' flag of that name; lm_eval's ``gen_prefix``).
         ``time_limit`` (seconds, on the main thread) bounds a template that loops for ever:
         `TemplateTimeout` (a jinja2 TemplateError) past it.
 
@@ -267,6 +270,27 @@ class Tokenizer:
         assistant turn. Raises ``jinja2.exceptions.TemplateError`` when the template calls
         ``raise_exception``, and ValueError naming ``template_source`` when the sandbox stops it
         (`_Sandbox`: Python internals, mutation)."""
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, tools, time_limit)
+        content = messages[-1].get("content") if messages else None
+        if add_generation_prompt or not isinstance(content, str):
+            raise InputError(
+                "continue_final_message: the last message must have text content to continue, "
+                "and no generation prompt may follow it"
+            )
+        end = "\ue002 "  # a private-use mark and a space, to see whether the template trims
+        text = self._render(
+            [*messages[:-1], {**messages[-1], "content": content + end}], False, tools, time_limit
+        )
+        if text.count(end[0]) != 1:
+            raise InputError(
+                f"{self.template_source}: the chat template drops or repeats the last message's "
+                "content, so its turn cannot be left open"
+            )
+        cut = text.index(end[0])
+        return text[:cut] if text[cut:].startswith(end) else text[:cut].rstrip()
+
+    def _render(self, messages, add_generation_prompt, tools, time_limit) -> str:
         if self._template is None:
             raise InputError(
                 f"{self.template_source}: no chat_template (nor chat_template.jinja): chat "
@@ -293,6 +317,7 @@ class Tokenizer:
         add_generation_prompt: bool = False,
         tools: list[dict] | None = None,
         content_as_text: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Return the ids of :meth:`render_chat`'s text (``encode(render_chat(...))``), the ids
         ``transformers``' ``apply_chat_template(tokenize=True)`` gives, except that a message
@@ -308,12 +333,16 @@ class Tokenizer:
                 if isinstance(content, str) and any(c in content for c in self.control_strings):
                     marks[f"\ue000{i}\ue001"] = content
         if not marks:
-            return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+            return self.encode(
+                self.render_chat(
+                    messages, add_generation_prompt, tools, None, continue_final_message
+                )
+            )
         placed = [
             {**m, "content": f"\ue000{i}\ue001"} if f"\ue000{i}\ue001" in marks else m
             for i, m in enumerate(messages)
         ]
-        text = self.render_chat(placed, add_generation_prompt, tools)
+        text = self.render_chat(placed, add_generation_prompt, tools, None, continue_final_message)
         pieces = re.split("(\ue000\\d+\ue001)", text)
         if sorted(p for p in pieces if p in marks) != sorted(marks):
             raise InputError(

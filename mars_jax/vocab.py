@@ -215,11 +215,16 @@ class MappedTokenizer:
         return self.qwen.decode(self.vocab.to_qwen(list(ids)), skip_special_tokens)
 
     def apply_chat_template(
-        self, messages, add_generation_prompt=False, tools=None, content_as_text=True
+        self,
+        messages,
+        add_generation_prompt=False,
+        tools=None,
+        content_as_text=True,
+        continue_final_message=False,
     ) -> list[int]:
         """Model ids of the rendered chat (see `Tokenizer.apply_chat_template`)."""
         qwen = self.qwen.apply_chat_template(
-            messages, add_generation_prompt, tools, content_as_text
+            messages, add_generation_prompt, tools, content_as_text, continue_final_message
         )
         return self.model_ids(qwen)
 

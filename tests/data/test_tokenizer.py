@@ -187,6 +187,34 @@ def test_chat_template_jinja_file_wins(offline, tmp_path):
     )
 
 
+@pytest.mark.parametrize("trims", [False, True])
+def test_continue_final_message_leaves_the_turn_open_as_transformers(offline, tmp_path, trims):
+    """lm_eval's gen_prefix: the chat ends inside the assistant's opening words, as transformers'
+    continue_final_message renders it, with a template that keeps content and one that trims it."""
+    offline.save(str(tmp_path))
+    if trims:
+        (tmp_path / "chat_template.jinja").write_text(
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% endif %}"
+        )
+    ours, hf = T.load_tokenizer(str(tmp_path)), hf_tokenizer(tmp_path)
+    for prefix in ("The best answer is", "The best answer is ", "```python\n"):
+        chat = [
+            {"role": "user", "content": "Which is larger, 3 or 5?<|mask|>"},
+            {"role": "assistant", "content": prefix},
+        ]
+        text = ours.render_chat(chat, continue_final_message=True)
+        assert text == hf.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+        assert text.endswith(prefix.rstrip() if trims else prefix)
+        ids = ours.apply_chat_template(chat, continue_final_message=True)
+        assert (
+            ours.decode(ids, False) == text and T.MASK_ID not in ids
+        )  # the spelled mask stays text
+    with pytest.raises(T.InputError, match="last message must have text content"):
+        ours.render_chat(chat, add_generation_prompt=True, continue_final_message=True)
+
+
 def test_conflicting_special_token_in_config_raises(offline, tmp_path):
     offline.save(str(tmp_path))
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())

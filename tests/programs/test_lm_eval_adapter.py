@@ -143,6 +143,21 @@ def test_chat_template_is_the_runs_as_transformers_renders_it(lm, oracle):
     assert lm.chat_template(True) == hf_tok.chat_template
 
 
+def test_a_gen_prefix_continues_the_assistant_message_as_hflm(lm, oracle):
+    """A task's gen_prefix (humaneval_instruct, the llama3 mmlu templates): lm_eval asks for the
+    history without a generation prompt; HFLM continues the final message (no <|im_end|>)."""
+    _, hf_tok = oracle
+    history = [
+        {"role": "user", "content": "Complete the function."},
+        {"role": "assistant", "content": "Here is the completed function:\n```python\n"},
+    ]
+    text = lm.apply_chat_template(history, add_generation_prompt=False)
+    assert text == hf_tok.apply_chat_template(
+        history, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith("```python\n") and lm.tok_encode(text) == hf_tok.encode(text)
+
+
 def test_generate_until_at_threshold_one_is_greedy_ar_cut_at_until(lm):
     tok = lm.tokenizer
     contexts = ["Question: What is 12 * 7?\nAnswer:", "<|im_start|>user\nHi<|im_end|>\n", "2+2="]
