@@ -262,11 +262,13 @@ class _Request(_Unsupported):
 
 
 class CompletionRequest(_Request):
-    """A ``/v1/completions`` request: one prompt, a non-empty string or a non-empty list of
-    token ids (either alone, or in a list of one: what lm_eval's ``local-completions`` sends);
-    ``logprobs`` k: each token's log-probability and its k most likely alternatives."""
+    """A ``/v1/completions`` request: ``prompt`` is one prompt (a non-empty string or a non-empty
+    list of token ids) or a non-empty list of them (OpenAI's four forms; lm_eval's
+    ``local-completions`` sends token ids in a list); each prompt gets ``n`` choices, indexed
+    prompt by prompt. ``logprobs`` k: each token's log-probability and its k most likely
+    alternatives."""
 
-    prompt: str | list[int]  # checked whole by _one_prompt (its errors name the field alone)
+    prompt: str | list[int] | list[str] | list[list[int]]  # checked whole by _prompts
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     top_logprobs: None = None  # chat's field: only null (the count is ``logprobs`` here)
 
@@ -275,18 +277,29 @@ class CompletionRequest(_Request):
         """Most likely alternatives asked for per token (None: no log-probabilities)."""
         return self.logprobs
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        one = isinstance(self.prompt, str) or all(type(v) is int for v in self.prompt)
+        return [self.prompt] if one else list(self.prompt)
+
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]
-        if isinstance(value, str) and value:
+    def _prompts(cls, value: Any) -> Any:
+        def text(v):
+            return isinstance(v, str) and v
+
+        def ids(v):
+            return isinstance(v, list) and v and all(type(t) is int for t in v)
+
+        many = isinstance(value, list) and value
+        if text(value) or ids(value):
             return value
-        if isinstance(value, list) and value and all(type(v) is int for v in value):
-            return value  # token ids
+        if many and (all(text(v) for v in value) or all(ids(v) for v in value)):
+            return value
         raise PydanticCustomError(
             "prompt_type",
-            "one prompt per request: a non-empty string or list of token ids (or a list of one)",
+            "a prompt (a non-empty string or list of token ids) or a non-empty list of them",
         )
 
 

@@ -8,7 +8,7 @@ r"""An OpenAI-compatible HTTP server for a MARS run, on the continuous-batching 
 The decoding flags (`cli.DecodingFlags`) are one `DecodeOptions`: each request's defaults.
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a non-empty string, tokenized as is, or token
-ids) and ``POST /v1/chat/completions`` (``messages``: roles system, developer (rendered as
+ids, or a list of such prompts, each with its ``n`` choices) and ``POST /v1/chat/completions`` (``messages``: roles system, developer (rendered as
 system), user, assistant, each content a string or a list of text parts, rendered with the
 run's chat template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
 `mars_jax.serve_metrics`).
@@ -78,11 +78,12 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
 
 @dataclasses.dataclass
 class Parsed:
-    """A request as the engine takes it: its prompt ids, one `engine.Request` per choice
-    (``n``), its stop strings and whether it streams."""
+    """A request as the engine takes it: one `engine.Request` per choice (``n`` for each prompt,
+    prompt by prompt: OpenAI's choice indices), its prompt tokens (all prompts), its stop
+    strings and whether it streams."""
 
-    ids: list[int]
     requests: list[engine.Request]
+    prompt_tokens: int
     stops: list[str]
     streaming: bool
 
@@ -134,18 +135,61 @@ class Server:
                 "model",
                 404,
             )
-        if kind == "completions" and isinstance(req.prompt, list):  # token ids, taken as they are
-            ids, where = self._check_ids(req.prompt), "prompt"
-        elif kind == "completions":
-            self._check_length(req.prompt, "prompt")
-            before, after = self.special_tokens  # the chat template writes its own
-            ids, where = before + self.tok.encode(req.prompt) + after, "prompt"
+        if kind == "completions":
+            prompts = req.prompts
+            many = len(prompts) > 1
+            ids = [
+                self._prompt_ids(p, f"prompt[{k}]" if many else "prompt")
+                for k, p in enumerate(prompts)
+            ]
         else:
             for i, m in enumerate(req.messages):
                 self._check_length(m.text, f"messages[{i}].content")
             messages = [{"role": m.template_role, "content": m.text} for m in req.messages]
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True)
-            where = "messages"
+            ids = [self.tok.apply_chat_template(messages, add_generation_prompt=True)]
+        if req.choices * len(ids) > max(self.max_waiting, 1):
+            many = f" for each of {len(ids)} prompts" if len(ids) > 1 else ""
+            raise RequestError(
+                f"n={req.choices}{many}: this server takes at most {self.max_waiting} choices",
+                "n",
+            )
+        where = "prompt" if kind == "completions" else "messages"
+        budgets = [self._budget(req, kind, p, where) for p in ids]
+        default = self.engine.options  # the server's flags
+        settings = dict(
+            threshold=default.threshold if req.threshold is None else req.threshold,
+            temperature=default.temperature if req.temperature is None else req.temperature,
+            top_p=default.top_p if req.top_p is None else req.top_p,
+            logprobs=req.alternatives,
+        )
+        # Choice i of a given seed decodes with seed + i (i counts the choices of every
+        # prompt); without one, each choice gets a fresh seed, so that identical sampled
+        # requests differ (OpenAI's way).
+        requests = []
+        for p, max_tokens in zip(ids, budgets):
+            for _ in range(req.choices):
+                i = len(requests)
+                seed = (
+                    secrets.randbelow(protocol.MAX_SEED + 1) if req.seed is None else req.seed + i
+                )
+                requests.append(
+                    engine.Request(
+                        tuple(p), max_tokens, seed=seed % (protocol.MAX_SEED + 1), **settings
+                    )
+                )
+        return Parsed(requests, sum(map(len, ids)), req.stops, req.streaming)
+
+    def _prompt_ids(self, prompt: str | list[int], where: str) -> list[int]:
+        """A completions prompt's ids: token ids taken as they are, text tokenized as is."""
+        if isinstance(prompt, list):
+            return self._check_ids(prompt, where)
+        self._check_length(prompt, where)
+        before, after = self.special_tokens  # the chat template writes its own
+        return before + self.tok.encode(prompt) + after
+
+    def _budget(self, req, kind: str, ids: list[int], where: str) -> int:
+        """New tokens for a prompt of ``ids``: the request's budget, checked against the server's
+        largest and the model's context, or the endpoint's default where it gives none."""
         limit = self.engine.max_prompt_len
         if len(ids) > limit:
             raise RequestError(
@@ -161,54 +205,31 @@ class Server:
             )
         asked, field = req.budget()
         if asked is None:  # as much as this endpoint's default, and as fits
-            max_tokens = min(16 if kind == "completions" else largest, room)
-        elif asked > largest:
+            return min(16 if kind == "completions" else largest, room)
+        if asked > largest:
             raise RequestError(f"{field}={asked!r} must lie in [1, {largest}]", field)
-        elif asked > room:
+        if asked > room:
             raise RequestError(
                 f"{field}={asked}: the prompt ({len(ids)} tokens) and {asked} new tokens exceed "
                 f"the model's context of {context} tokens; at most {room} fit",
                 field,
             )
-        else:
-            max_tokens = asked
-        if req.choices > max(self.max_waiting, 1):
-            raise RequestError(
-                f"n={req.choices}: this server takes at most {self.max_waiting}", "n"
-            )
-        default = self.engine.options  # the server's flags
-        settings = dict(
-            threshold=default.threshold if req.threshold is None else req.threshold,
-            temperature=default.temperature if req.temperature is None else req.temperature,
-            top_p=default.top_p if req.top_p is None else req.top_p,
-            logprobs=req.alternatives,
-        )
-        # Choice i of a given seed decodes with seed + i; without one, each choice gets a fresh
-        # seed, so that identical sampled requests differ (OpenAI's way).
-        seeds = [
-            secrets.randbelow(protocol.MAX_SEED + 1) if req.seed is None else req.seed + i
-            for i in range(req.choices)
-        ]
-        requests = [
-            engine.Request(tuple(ids), max_tokens, seed=seed % (protocol.MAX_SEED + 1), **settings)
-            for seed in seeds
-        ]
-        return Parsed(ids, requests, req.stops, req.streaming)
+        return asked
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
+    def _check_ids(self, ids: list[int], where: str = "prompt") -> list[int]:
         """A prompt of the tokenizer's ids, as the model's rows (a trimmed run maps them)."""
         qwen = getattr(self.tok, "qwen", self.tok)  # a trimmed run's tokenizer wraps its own
         vocab = len(qwen)
         for k, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise RequestError(
-                    f"prompt[{k}]: token id {t} is outside the vocabulary [0, {vocab})", "prompt"
+                    f"{where}[{k}]: token id {t} is outside the vocabulary [0, {vocab})", where
                 )
         if len(ids) > self.engine.max_prompt_len:  # refused before it is copied anywhere
             limit = self.engine.max_prompt_len
             raise RequestError(
-                f"prompt: the prompt is {len(ids)} tokens; this server takes at most {limit}",
-                "prompt",
+                f"{where}: the prompt is {len(ids)} tokens; this server takes at most {limit}",
+                where,
             )
         return list(ids) if qwen is self.tok else self.tok.model_ids(list(ids))
 
@@ -336,14 +357,14 @@ class TextOffsets:
         return out
 
 
-def usage(ids, tokens: Sequence[int], forwards: Sequence[int]) -> dict:
-    """OpenAI's counts of a request whose choices returned ``tokens`` in ``forwards`` (the
+def usage(prompt_tokens: int, tokens: Sequence[int], forwards: Sequence[int]) -> dict:
+    """OpenAI's counts of a request whose choices returned ``tokens`` in ``forwards`` (each
     prompt counted once), and the tokens per forward of its rows."""
     total = sum(tokens)
     return {
-        "prompt_tokens": len(ids),
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": total,
-        "total_tokens": len(ids) + total,
+        "total_tokens": prompt_tokens + total,
         "tokens_per_forward": total / max(sum(forwards), 1),
     }
 
@@ -427,7 +448,7 @@ def build_app(server: Server) -> web.Application:
                     raise RequestError(
                         f"the decoding engine failed: {server.engine.last_error}", None, 503
                     )
-                request[PROMPT_TOKENS] = len(parsed.ids)
+                request[PROMPT_TOKENS] = parsed.prompt_tokens
                 pieces = server.choices(parsed)
                 try:
                     if parsed.streaming:
@@ -448,7 +469,9 @@ def build_app(server: Server) -> web.Application:
                     )
                     for i in range(len(parsed.requests))
                 ]
-                body = _body(kind, server.model_name, _rid(kind), choices, answer.usage(parsed.ids))
+                body = _body(
+                    kind, server.model_name, _rid(kind), choices, answer.usage(parsed.prompt_tokens)
+                )
                 return web.json_response(body)
             except RequestError as e:
                 return error_response(str(e), e.status, e.param)
@@ -496,8 +519,8 @@ class _Answer:
     def done(self) -> bool:
         return all(r is not None for r in self.reasons)
 
-    def usage(self, ids) -> dict:
-        return usage(ids, self.tokens, self.forwards)
+    def usage(self, prompt_tokens: int) -> dict:
+        return usage(prompt_tokens, self.tokens, self.forwards)
 
 
 def _rid(kind: str) -> str:
@@ -574,7 +597,7 @@ async def _stream(request, kind, server, parsed: Parsed, pieces) -> web.StreamRe
                     first=i not in started,
                 )
                 started.add(i)
-                usage = answer.usage(parsed.ids) if answer.done else None
+                usage = answer.usage(parsed.prompt_tokens) if answer.done else None
                 body = _body(kind, server.model_name, rid, [choice], usage, delta=True)
                 await response.write(f"data: {json.dumps(body)}\n\n".encode())
         except RequestError as e:  # the status line is sent: the error is the last event

@@ -29,17 +29,20 @@ def accepted(kind: str, body):
     return parse_request(kind, json.dumps(body).encode())
 
 
-def test_a_completion_prompt_may_be_token_ids():
-    """As OpenAI's API takes them: a list of ids, or a list of one (lm_eval's
-    local-completions sends its prompts so)."""
-    assert accepted("completions", {"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
-    assert accepted("completions", {"prompt": [[7, 0]]}).prompt == [7, 0]
-    assert accepted("completions", {"prompt": ["text"]}).prompt == "text"
+def test_a_completion_prompt_takes_openais_four_forms():
+    """A string, a list of ids, or a list of either (lm_eval's local-completions sends token ids
+    in a list): ``prompts`` lists them."""
+    assert accepted("completions", {"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
+    assert accepted("completions", {"prompt": [[7, 0]]}).prompts == [[7, 0]]
+    assert accepted("completions", {"prompt": ["text"]}).prompts == ["text"]
+    assert accepted("completions", {"prompt": "text"}).prompts == ["text"]
+    assert accepted("completions", {"prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert accepted("completions", {"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
 
 
 def test_a_completion_request_and_its_defaults():
     req = accepted("completions", PROMPT)
-    assert req.prompt == "hello" and req.stops == [] and not req.streaming
+    assert req.prompts == ["hello"] and req.stops == [] and not req.streaming
     assert (req.model, req.temperature, req.seed, req.threshold) == (None, None, None, None)
     assert req.budget() == (None, "max_tokens")
     full = accepted(
@@ -56,7 +59,7 @@ def test_a_completion_request_and_its_defaults():
             "threshold": 1,
         },
     )
-    assert full.prompt == "one prompt" and full.stops == ["\n"] and full.streaming
+    assert full.prompts == ["one prompt"] and full.stops == ["\n"] and full.streaming
     assert full.budget() == (7, "max_completion_tokens")
     assert (full.temperature, full.seed, full.threshold) == (1.0, 2**32 - 1, 1.0)
     nulls = {k: None for k in ("model", "max_tokens", "temperature", "seed", "stop", "stream")}
@@ -217,8 +220,9 @@ def test_user_and_stream_options_are_accepted_and_ignored():
         ("completions", {}, "prompt"),
         ("completions", {"prompt": None}, "prompt"),
         ("completions", {"prompt": ""}, "prompt"),
-        ("completions", {"prompt": ["a", "b"]}, "prompt"),
-        ("completions", {"prompt": [[1, 2], [3]]}, "prompt"),  # one prompt per request
+        ("completions", {"prompt": ["a", ""]}, "prompt"),
+        ("completions", {"prompt": [[1, 2], []]}, "prompt"),
+        ("completions", {"prompt": ["a", [3]]}, "prompt"),  # one form per request
         ("completions", {"prompt": []}, "prompt"),
         ("completions", {"prompt": [[]]}, "prompt"),
         ("completions", {"prompt": [1, True]}, "prompt"),  # a boolean is not a token id

@@ -190,6 +190,32 @@ def test_a_prompt_of_token_ids_decodes_as_its_text(live, tok):
     assert f"prompt[1]: token id {len(tok)} is outside the vocabulary" in answer["error"]["message"]
 
 
+def test_several_prompts_get_their_choices_prompt_by_prompt(live, tok):
+    """A list of prompts (text, or token ids as lm_eval's local-completions batches them): each
+    prompt's n choices are what it gets alone, indexed prompt by prompt (OpenAI's order), its
+    prompt counted once in usage; a bad id names its prompt."""
+    _, running = live
+    texts = ["Natalia sold clips to 48 of her friends", "Weng earns $12 an hour"]
+    body = {"max_tokens": 6, "threshold": 0.9}
+    alone = [post(running, "/v1/completions", {"prompt": t, **body})[1] for t in texts]
+    for prompt in (texts, [tok.encode(t) for t in texts]):
+        status, answer = post(running, "/v1/completions", {"prompt": prompt, "n": 2, **body})
+        assert status == 200, answer
+        got = [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]]
+        assert got == [
+            (2 * k + j, a["choices"][0]["text"], a["choices"][0]["finish_reason"])
+            for k, a in enumerate(alone)
+            for j in range(2)
+        ]
+        usage = answer["usage"]
+        assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+        assert usage["completion_tokens"] == 2 * sum(a["usage"]["completion_tokens"] for a in alone)
+    bad = [tok.encode(texts[0]), [3, -1]]
+    status, answer = post(running, "/v1/completions", {"prompt": bad, **body})
+    assert status == 400 and answer["error"]["param"] == "prompt[1]"
+    assert "prompt[1][1]: token id -1 is outside" in answer["error"]["message"]
+
+
 def test_text_offsets_count_characters_of_the_text(tok):
     """text_offset is where each token's text starts in the returned text, in characters: a
     character whose bytes span tokens is counted once (per-piece lengths ran past the text)."""
@@ -940,3 +966,36 @@ def test_control_tokens_spelled_in_a_message_stay_text(live, tok):
     own = tok.apply_chat_template([{"role": "user", "content": "hi"}], True).count(151644)
     assert ids.count(151644) == own and parsed.count(151644) == own + 1 and 151665 not in ids
     assert tok.decode(ids, skip_special_tokens=False) == tok.render_chat(messages, True)
+
+
+def test_lm_eval_local_completions_runs_with_its_defaults(live, tok, tmp_path):
+    """lm_eval's ``local-completions`` backend as a user runs it (its tokenizer probe, token-id
+    prompts batched two a request, its stop strings, seed and temperature 0): each answer is the
+    server's own to the same text."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    _, running = live
+    tok.save(str(tmp_path))  # the tokenizer lm_eval loads (transformers reads it)
+    lm = LocalCompletionsAPI(
+        base_url=running.url + "/v1/completions",
+        model="tiny",
+        tokenizer=str(tmp_path),
+        batch_size=2,
+        max_retries=1,
+    )
+    contexts = ["Question: 2 + 3?\nAnswer:", "Natalia sold clips", "Weng earns $12 an hour."]
+    until = ["\n\n", "Question:"]
+    requests = [
+        Instance("generate_until", {}, (c, {"until": until, "max_gen_toks": 6}), i)
+        for i, c in enumerate(contexts)
+    ]
+    answers = lm.generate_until(requests)
+    for context, answer in zip(contexts, answers):
+        status, own = post(
+            running,
+            "/v1/completions",
+            {"prompt": context, "max_tokens": 6, "temperature": 0, "stop": until},
+        )
+        assert status == 200 and answer == own["choices"][0]["text"]
