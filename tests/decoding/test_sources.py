@@ -5,9 +5,11 @@ save_pretrained of a Qwen2, config.json renamed to ``model_type: "a2d-qwen2"`` /
 special token. Oracles: transformers' greedy ``generate`` (threshold 1.0 is AR decoding, at any
 block size), and `decode.generate` of the same weights loaded on their own."""
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -94,8 +96,6 @@ def test_block_size_comes_from_config_or_is_asked_for(released, tmp_path):
 def test_open_gives_the_ids_of_the_directory_s_own_files(released, tmp_path):
     """`sources.open`'s ids are those transformers reads from the same files; the block size is
     resolved before any weight is read; a model without <|mask|> is refused above block size 1."""
-    import shutil
-
     from transformers import AutoTokenizer, GenerationConfig
 
     _, path = released
@@ -145,8 +145,33 @@ def test_without_a_mask_token_only_one_token_per_forward(released, tmp_path):
         sources.load_model(str(plain), step=3)
 
 
-def test_evaluate_serve_and_lm_eval_take_the_directory(released, tmp_path):
-    _, path = released
+def _snapshot(path) -> dict:
+    """{relative path: (sha256, mode, mtime_ns)} of every file and folder under ``path``."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            full = os.path.join(root, name)
+            st = os.lstat(full)
+            digest = None
+            if os.path.isfile(full):
+                with open(full, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+            out[os.path.relpath(full, path)] = (digest, st.st_mode, st.st_mtime_ns)
+    return out
+
+
+def test_a_model_directory_read_by_every_tool_stays_byte_for_byte(released, tmp_path):
+    """evaluate (its report printed, or written to --output_dir), serve, lm-eval, generate and
+    chat on a read-only Hugging Face directory (read-only for a user that is not root; root may
+    write anywhere, so the snapshot decides): not a byte, mode or time of it changes."""
+    hf, source = released
+    path = str(tmp_path / "model")
+    shutil.copytree(source, path)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.chmod(os.path.join(root, name), 0o555 if name in dirs else 0o444)
+    os.chmod(path, 0o555)
+    before = _snapshot(path)
     cfg = tiny_config(
         "mars",
         eval__block_size=4,
@@ -157,10 +182,8 @@ def test_evaluate_serve_and_lm_eval_take_the_directory(released, tmp_path):
         eval__nll_examples=2,
         eval__timing_repeats=1,
     )
-    before = sorted(os.listdir(path))
-    report = evaluate.evaluate(cfg, path)
+    report = evaluate.evaluate(cfg, path)  # printed only
     assert (report["step"], report["block_size"], report["num_examples"]) == (0, 4, 2)
-    assert sorted(os.listdir(path)) == before  # a released directory is never written into
     report = evaluate.evaluate(cfg, path, output_dir=str(tmp_path / "report"))
     assert (
         json.loads((tmp_path / "report" / "eval.json").read_text())["results"] == report["results"]
@@ -176,10 +199,16 @@ def test_evaluate_serve_and_lm_eval_take_the_directory(released, tmp_path):
         tokens, _ = stream.result(timeout=300)
     finally:
         server.engine.stop()
-    hf, _ = released
-    assert tokens == transformers_greedy(hf, prompt_ids(), MAX_NEW)
+    greedy = transformers_greedy(hf, prompt_ids(), MAX_NEW)
+    assert tokens == greedy
+    out = complete(path, [PROMPT], block_size=4, threshold=1.0, max_new_tokens=MAX_NEW)
+    assert out[0]["tokens"] == greedy
 
+    from mars_jax import chat
     from mars_jax.lm_eval_adapter import MarsLM
 
     lm = MarsLM.from_args(path, block_size=4, threshold=0.5)
     assert (lm.step, lm.decode_kwargs["block_size"], lm.decode_kwargs["mask_id"]) == (0, 4, MASK_ID)
+    session = chat.Session(opened, opened.options(max_new_tokens=2), width=64)
+    assert session.turn("Hi")["tokens"]
+    assert _snapshot(path) == before
