@@ -1,0 +1,164 @@
+r"""One user: the same prompts through `generate` and through the server, one at a time.
+
+  PYTHONPATH=. python benchmarks/serve_one_user.py --workdir=models/smollm2 \
+      --num_prompts=8 --max_new_tokens=128 --thresholds=1.0 --slots=1 --max_prompt_len=256 \
+      --output_dir=benchmarks/results/serve_one_user
+
+For each threshold, each prompt (a GSM8K test question, chat-templated) is decoded by
+`generate.complete` alone, then sent alone to a live server on 127.0.0.1 (chat completions,
+greedy, ``max_tokens`` = ``--max_new_tokens``, not streamed) started with the server flags
+given here (``--slots``, ``--max_prompt_len``, ``--steps_per_call``, ``--prefill_chunk``: the
+one-user profile of docs/serving.md by default). Each runs the prompts twice and the second
+pass is timed (the first compiles the shapes of each prompt, for both). Tokens/s is completion tokens over the wall clock of the calls (the
+server's: request sent to answer read, HTTP included); the ratio is generate's over the
+server's (1.0: as fast). Both in one process on the same weights, so only the ratio means
+anything. Writes serve_one_user.md and .json to ``--output_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mars_jax import generate, serve, sources  # noqa: E402
+from mars_jax.rows import read_rows  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("workdir", None, "The run or Hugging Face directory.", required=True)
+    flags.DEFINE_integer("block_size", None, "Block size (default: the run's or config.json's).")
+    flags.DEFINE_string("prompts", "../shared/data/gsm8k/test.jsonl", "GSM8K-style JSONL.")
+    flags.DEFINE_integer("num_prompts", 8, "Prompts timed (each run twice: the second timed).")
+    flags.DEFINE_integer("max_new_tokens", 128, "Completion budget of every prompt.")
+    flags.DEFINE_list("thresholds", ["1.0"], "Thresholds (1.0: AR).")
+    flags.DEFINE_integer("slots", 1, "Server: --slots.")
+    flags.DEFINE_integer("max_prompt_len", 256, "Server: --max_prompt_len.")
+    flags.DEFINE_integer("steps_per_call", 4, "Server: forwards per device call.")
+    flags.DEFINE_integer("prefill_chunk", None, "Server: --prefill_chunk (default: whole).")
+    flags.DEFINE_string("output_dir", None, "Where serve_one_user.md and .json go.")
+
+
+def questions(path: str, count: int) -> list[str]:
+    rows = read_rows(path)
+    if len(rows) < count:
+        raise ValueError(f"{path}: {len(rows)} rows; --num_prompts={count} asked for")
+    return [r["question"] for r in rows[:count]]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=3600) as r:
+        return json.loads(r.read())
+
+
+def measure(opened, prompts: list[str], threshold: float) -> dict:
+    """One threshold: generate's and the server's tokens/s over ``prompts``."""
+    options = opened.options(max_new_tokens=FLAGS.max_new_tokens, threshold=threshold)
+    generated, seconds = [], 0.0
+    for timed in (False, True):  # the first pass compiles each prompt's shapes
+        for p in prompts:
+            start = time.perf_counter()
+            out = generate.complete(opened, [p], options)[0]
+            if timed:
+                seconds += time.perf_counter() - start
+                generated.append(out)
+    gen_tokens = sum(len(o["tokens"]) for o in generated)
+
+    server = serve.make_server(
+        opened,
+        options,
+        slots=FLAGS.slots,
+        max_prompt_len=FLAGS.max_prompt_len,
+        max_waiting=4,
+        steps_per_call=FLAGS.steps_per_call,
+        prefill_chunk=FLAGS.prefill_chunk,
+    )
+    running = serve.Background(serve.build_app(server))
+    try:
+        served, served_seconds = [], 0.0
+        for timed in (False, True):
+            for p in prompts:
+                body = {
+                    "messages": [{"role": "user", "content": p}],
+                    "max_tokens": FLAGS.max_new_tokens,
+                    "temperature": 0,
+                    "threshold": threshold,
+                }
+                start = time.perf_counter()
+                answer = post(running.url, body)
+                if timed:
+                    served_seconds += time.perf_counter() - start
+                    served.append(answer)
+    finally:
+        running.close()
+        server.engine.stop()
+    served_tokens = sum(a["usage"]["completion_tokens"] for a in served)
+    same = sum(
+        a["choices"][0]["message"]["content"] == o["text"] for a, o in zip(served, generated)
+    )
+    gen_rate, served_rate = gen_tokens / seconds, served_tokens / served_seconds
+    return {
+        "threshold": threshold,
+        "prompts": len(generated),
+        "generate_tokens": gen_tokens,
+        "generate_tokens_per_s": gen_rate,
+        "serve_tokens": served_tokens,
+        "serve_tokens_per_s": served_rate,
+        "generate_over_serve": gen_rate / served_rate,
+        "same_text": same,
+        "tokens_per_forward": gen_tokens
+        / max(sum(len(o["tokens"]) / o["tokens_per_forward"] for o in generated), 1e-9),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| threshold | generate tokens/s | serve tokens/s | generate / serve | same text "
+        "| tokens/forward |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['threshold']:.2f} | {r['generate_tokens_per_s']:.1f} | "
+            f"{r['serve_tokens_per_s']:.1f} | {r['generate_over_serve']:.2f}x | "
+            f"{r['same_text']} of {r['prompts']} | {r['tokens_per_forward']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(_) -> None:
+    opened = sources.open(FLAGS.workdir, block_size=FLAGS.block_size)
+    prompts = questions(FLAGS.prompts, FLAGS.num_prompts)
+    rows = [measure(opened, prompts, float(t)) for t in FLAGS.thresholds]
+    settings = {
+        k: getattr(FLAGS, k)
+        for k in ("workdir", "num_prompts", "max_new_tokens", "slots", "max_prompt_len")
+    }
+    settings |= {"steps_per_call": FLAGS.steps_per_call, "prefill_chunk": FLAGS.prefill_chunk}
+    table = markdown(rows)
+    print(json.dumps(settings))
+    print(table, end="")
+    if FLAGS.output_dir:
+        os.makedirs(FLAGS.output_dir, exist_ok=True)
+        with open(os.path.join(FLAGS.output_dir, "serve_one_user.md"), "w") as f:
+            f.write(f"`{json.dumps(settings)}`\n\n{table}")
+        with open(os.path.join(FLAGS.output_dir, "serve_one_user.json"), "w") as f:
+            json.dump({"settings": settings, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
