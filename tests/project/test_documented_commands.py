@@ -278,27 +278,22 @@ REGISTRY = [
     ),
     (
         "smollm2_generate",
-        r"python -m mars_jax\.generate --workdir=models/smollm2 --block_size=1 .*",
-        Covered(
-            "tests/project/test_real_model.py::test_generate_from_the_directory_equals_transformers",
-            "generate.complete on the directory, 8 prompts: transformers' greedy tokens",
-        ),
+        r"python -m mars_jax\.generate --workdir=models/smollm2 --prompt=.*",
+        Smoke("run_generate", "on SmolLM2 as printed, 8 new tokens: the answer names Paris"),
     ),
     (
         "smollm2_serve",
-        r"python -m mars_jax\.serve --workdir=models/smollm2 --block_size=1 --port=8000",
-        Covered(
-            "tests/project/test_real_model.py::test_served_chat_completions_equal_transformers",
-            "serve.make_server on the directory, chat completions through the openai client",
-        ),
+        r"python -m mars_jax\.serve --workdir=models/smollm2 --port=8000",
+        Smoke("run_serve", "on SmolLM2 as printed (its port free): one chat request, SIGTERM"),
     ),
     (
         "smollm2_evaluate",
         r"python -m mars_jax\.evaluate --config=configs/smollm2_gsm8k\.py:ar "
         r"--workdir=models/smollm2 --output_dir=runs/smollm2_untuned",
-        Covered(
-            "tests/project/test_real_model.py::test_evaluate_scores_as_transformers_completions_grade",
-            "evaluate on 4 GSM8K questions: the grading of transformers' completions",
+        Smoke(
+            "run_smollm2_evaluate",
+            "needs ../shared/data; on SmolLM2 as printed, 2 questions of 8 tokens: the table "
+            "printed, the report in the output folder, nothing in the model's",
         ),
     ),
     (
@@ -1082,6 +1077,17 @@ def run_serve(commands, request, tmp_path):
                 answer = json.loads(r.read())
             assert answer["object"] == "chat.completion", answer
             assert 1 <= answer["usage"]["completion_tokens"] <= 8, answer
+            if command.file == "docs/serving.md":  # the page's client example, as printed
+                example = client_example().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+                ran = subprocess.run(
+                    [sys.executable, "-c", example],
+                    cwd=ROOT,
+                    env=environ,
+                    capture_output=True,
+                    text=True,
+                    timeout=TIMEOUT_S,
+                )
+                assert ran.returncode == 0 and "tokens_per_forward" in ran.stdout, ran.stderr
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
         finally:
@@ -1089,9 +1095,30 @@ def run_serve(commands, request, tmp_path):
                 proc.kill()
 
 
+def client_example() -> str:
+    """docs/serving.md's Python example with the official openai client."""
+    text = (ROOT / "docs" / "serving.md").read_text()
+    return re.search(r"With the official client.*?```python\n(.*?)```", text, re.S).group(1)
+
+
+def run_smollm2_evaluate(commands, request, tmp_path):
+    needs_shared_data()
+    model = request.getfixturevalue("smollm2_dir")
+    before = sorted(os.listdir(model))
+    for command in commands:
+        out = tmp_path / "untuned"
+        subs = {"models/smollm2": model, "runs/smollm2_untuned": out}
+        proc = run_command(command, EVAL_SMOKE[:3] + EVAL_SMOKE[4:], subs=subs)
+        check_eval_tables(proc.stdout, [model])
+        assert json.loads((out / "eval.json").read_text())["num_examples"] == 2
+    assert sorted(os.listdir(model)) == before  # nothing written into the model's directory
+
+
 def model_subs(command, request) -> dict:
     """The documented model directories of ``command``: the tiny run, its export, the tiny
-    checkpoint in the released format (each made on first use)."""
+    checkpoint in the released format, SmolLM2's directory (each made on first use)."""
+    if "models/smollm2" in command.text:
+        return {"models/smollm2": request.getfixturevalue("smollm2_dir")}
     subs = {"runs/tiny": request.getfixturevalue("tiny_run")}
     if "runs/tiny/hf" in command.text:
         request.getfixturevalue("tiny_export")
@@ -1130,6 +1157,8 @@ def run_generate(commands, request, tmp_path):
         out = run_command(command, ["--max_new_tokens=8"], subs=subs).stdout
         # A 2-step model's completion may be blank lines, but it is printed.
         assert out and "Traceback" not in out, command
+        if "capital of France" in command.text:  # SmolLM2's own answer
+            assert "Paris" in out, out
         if "--json" in command.text:
             rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             assert len(rows) == (2 if "--prompts_file" in command.text else 1), out
