@@ -8,8 +8,8 @@ For each threshold, each prompt (a GSM8K test question, chat-templated) is decod
 `generate.complete` alone, then sent alone to a live server on 127.0.0.1 (chat completions,
 greedy, ``max_tokens`` = ``--max_new_tokens``, not streamed) started with the server flags
 given here (``--slots``, ``--max_prompt_len``, ``--steps_per_call``, ``--prefill_chunk``: the
-one-user profile of docs/serving.md by default). Each runs the prompts twice and the second
-pass is timed (the first compiles the shapes of each prompt, for both). Tokens/s is completion tokens over the wall clock of the calls (the
+one-user profile of docs/serving.md by default). Each prompt goes to generate and then to the
+server, twice over; the second pass is timed (the first compiles each prompt's shapes). Tokens/s is completion tokens over the wall clock of the calls (the
 server's: request sent to answer read, HTTP included); the ratio is generate's over the
 server's (1.0: as fast). Both in one process on the same weights, so only the ratio means
 anything. Writes serve_one_user.md and .json to ``--output_dir``.
@@ -44,6 +44,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_prompt_len", 256, "Server: --max_prompt_len.")
     flags.DEFINE_integer("steps_per_call", 4, "Server: forwards per device call.")
     flags.DEFINE_integer("prefill_chunk", None, "Server: --prefill_chunk (default: whole).")
+    flags.DEFINE_integer("max_logprobs", 20, "Server: --max_logprobs (0: none computed).")
     flags.DEFINE_string("output_dir", None, "Where serve_one_user.md and .json go.")
 
 
@@ -65,18 +66,9 @@ def post(url: str, body: dict) -> dict:
 
 
 def measure(opened, prompts: list[str], threshold: float) -> dict:
-    """One threshold: generate's and the server's tokens/s over ``prompts``."""
+    """One threshold: generate's and the server's tokens/s over ``prompts``, each prompt
+    decoded by one and then the other (so that a machine's drift falls on both alike)."""
     options = opened.options(max_new_tokens=FLAGS.max_new_tokens, threshold=threshold)
-    generated, seconds = [], 0.0
-    for timed in (False, True):  # the first pass compiles each prompt's shapes
-        for p in prompts:
-            start = time.perf_counter()
-            out = generate.complete(opened, [p], options)[0]
-            if timed:
-                seconds += time.perf_counter() - start
-                generated.append(out)
-    gen_tokens = sum(len(o["tokens"]) for o in generated)
-
     server = serve.make_server(
         opened,
         options,
@@ -85,26 +77,34 @@ def measure(opened, prompts: list[str], threshold: float) -> dict:
         max_waiting=4,
         steps_per_call=FLAGS.steps_per_call,
         prefill_chunk=FLAGS.prefill_chunk,
+        max_logprobs=FLAGS.max_logprobs or None,
     )
     running = serve.Background(serve.build_app(server))
+    generated, served, seconds, served_seconds = [], [], 0.0, 0.0
     try:
-        served, served_seconds = [], 0.0
-        for timed in (False, True):
+        for timed in (False, True):  # the first pass compiles each prompt's shapes, for both
             for p in prompts:
-                body = {
-                    "messages": [{"role": "user", "content": p}],
-                    "max_tokens": FLAGS.max_new_tokens,
-                    "temperature": 0,
-                    "threshold": threshold,
-                }
                 start = time.perf_counter()
-                answer = post(running.url, body)
+                out = generate.complete(opened, [p], options)[0]
+                middle = time.perf_counter()
+                answer = post(
+                    running.url,
+                    {
+                        "messages": [{"role": "user", "content": p}],
+                        "max_tokens": FLAGS.max_new_tokens,
+                        "temperature": 0,
+                        "threshold": threshold,
+                    },
+                )
                 if timed:
-                    served_seconds += time.perf_counter() - start
+                    seconds += middle - start
+                    served_seconds += time.perf_counter() - middle
+                    generated.append(out)
                     served.append(answer)
     finally:
         running.close()
         server.engine.stop()
+    gen_tokens = sum(len(o["tokens"]) for o in generated)
     served_tokens = sum(a["usage"]["completion_tokens"] for a in served)
     same = sum(
         a["choices"][0]["message"]["content"] == o["text"] for a, o in zip(served, generated)
@@ -147,7 +147,7 @@ def main(_) -> None:
         k: getattr(FLAGS, k)
         for k in ("workdir", "num_prompts", "max_new_tokens", "slots", "max_prompt_len")
     }
-    settings |= {"steps_per_call": FLAGS.steps_per_call, "prefill_chunk": FLAGS.prefill_chunk}
+    settings |= {k: getattr(FLAGS, k) for k in ("steps_per_call", "prefill_chunk", "max_logprobs")}
     table = markdown(rows)
     print(json.dumps(settings))
     print(table, end="")

@@ -283,7 +283,7 @@ REGISTRY = [
     ),
     (
         "smollm2_serve",
-        r"python -m mars_jax\.serve --workdir=models/smollm2 --port=8000",
+        r"python -m mars_jax\.serve --workdir=models/smollm2 --port=8000( .*)?",
         Smoke("run_serve", "on SmolLM2 as printed (its port free): one chat request, SIGTERM"),
     ),
     (
@@ -334,6 +334,14 @@ REGISTRY = [
             "run_decode_speed",
             "on the run its --workdir names (gsm8k: needs ../shared/data), "
             "1 prompt, 4 tokens, one threshold; the written table",
+        ),
+    ),
+    (
+        "serve_one_user",
+        r"PYTHONPATH=\. python benchmarks/serve_one_user\.py .*",
+        Smoke(
+            "run_serve_one_user",
+            "needs ../shared/data; on SmolLM2, 1 prompt of 4 tokens: the written rows",
         ),
     ),
     (
@@ -1052,7 +1060,11 @@ def run_serve(commands, request, tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        argv, environ = prepare(command, ["--max_new_tokens=8"], subs=model_subs(command, request))
+        example = "--workdir=runs/tiny/mars " in command.text  # serving.md's client example
+        extra = ["--max_new_tokens=64" if example else "--max_new_tokens=8"]  # the example's
+        if "--warmup" in command.text:  # fewer prompt widths to compile
+            extra.append("--max_prompt_len=64")
+        argv, environ = prepare(command, extra, subs=model_subs(command, request))
         argv = [f"--port={port}" if a.startswith("--port=") else a for a in argv]
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stderr=subprocess.PIPE, text=True)
@@ -1077,7 +1089,7 @@ def run_serve(commands, request, tmp_path):
                 answer = json.loads(r.read())
             assert answer["object"] == "chat.completion", answer
             assert 1 <= answer["usage"]["completion_tokens"] <= 8, answer
-            if command.file == "docs/serving.md":  # the page's client example, as printed
+            if example:  # as printed, but for the port
                 example = client_example().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
                 ran = subprocess.run(
                     [sys.executable, "-c", example],
@@ -1231,6 +1243,17 @@ def run_serve_load(commands, request, tmp_path):
         assert [r["mode"] for r in rows] == modes, rows
         assert all(r["requests"] == r["sent"] == 4 for r in rows), rows
         assert (out / "serve_load.md").read_text().count("\n| ") == len(modes) + 1
+
+
+def run_serve_one_user(commands, request, tmp_path):
+    needs_shared_data()
+    for i, command in enumerate(commands):
+        out = tmp_path / f"out{i}"
+        extra = ["--num_prompts=1", "--max_new_tokens=4", f"--output_dir={out}"]
+        run_command(command, extra, subs=resolve_subs(command, request))
+        rows = json.loads((out / "serve_one_user.json").read_text())["rows"]
+        assert [(r["threshold"], r["prompts"], r["same_text"]) for r in rows] == [(1.0, 1, 1)]
+        assert rows[0]["generate_tokens"] == rows[0]["serve_tokens"] == 4
 
 
 def run_decode_speed(commands, request, tmp_path):
