@@ -148,9 +148,9 @@ class Server:
             messages = [{"role": m.template_role, "content": m.text} for m in req.messages]
             ids = [self.tok.apply_chat_template(messages, add_generation_prompt=True)]
         if req.choices * len(ids) > max(self.max_waiting, 1):
-            many = f" for each of {len(ids)} prompts" if len(ids) > 1 else ""
+            each = f" for each of {len(ids)} prompts" if len(ids) > 1 else ""
             raise RequestError(
-                f"n={req.choices}{many}: this server takes at most {self.max_waiting} choices",
+                f"n={req.choices}{each}: this server takes at most {self.max_waiting} choices",
                 "n",
             )
         where = "prompt" if kind == "completions" else "messages"
