@@ -314,9 +314,11 @@ def _check_eval(e) -> None:
         raise SettingError("eval.thresholds", tuple(e.thresholds), "must list a threshold")
     # eval.num_examples 0 or less read no synthetic problem ("no evaluation examples ... set
     # data.eval_format") and eval.nll_examples 0 failed after all the decoding.
-    for key in ("batch_size", "max_new_tokens", "num_examples", "nll_examples", "timing_repeats"):
+    for key in ("batch_size", "max_new_tokens", "num_examples", "nll_examples"):
         if e[key] < 1:
             raise SettingError(f"eval.{key}", e[key], "must be >= 1")
+    if e.timing_repeats < 0:
+        raise SettingError("eval.timing_repeats", e.timing_repeats, "must be >= 0 (0: untimed)")
     # The decoding settings, refused here before a checkpoint is loaded (DecodeOptions' rules).
     for t in e.thresholds:
         DecodeOptions.from_eval(e, block_size=max(e.block_size, 1), threshold=t)

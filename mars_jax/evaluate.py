@@ -20,7 +20,8 @@ Hugging Face directory, a model cache) is never written into: without ``--output
 is printed only.
 ``eval.thresholds`` must each lie in (0, 1]; they are checked before anything is loaded.
 
-Wall clock: each decoder program (one per block size) is compiled by an untimed warm-up decode;
+Wall clock (``eval.timing_repeats`` >= 1; 0 decodes each threshold once, untimed, and leaves the
+speed fields out): each decoder program (one per block size) is compiled by an untimed warm-up decode;
 then each threshold's decode of all the prompts is timed ``eval.timing_repeats`` times and the
 fastest counts (``seconds``; ``tokens_per_s`` = generated tokens / seconds). AR decoding of the
 same prompts (block size 1, threshold 1.0, the same cache mode), timed the same way in the same
@@ -215,32 +216,52 @@ def evaluate(cfg, workdir: str, step: int | None = None, output_dir: str | None 
             )
         return timed[key]
 
-    # Warm-ups, untimed: compile once per block size (threshold is a traced argument); the
-    # first gives the one-token (threshold-1.0) reference.
-    logging.info("compiling the decoder and decoding the threshold-1.0 reference")
-    reference_outputs = run(1.0).completions()
-    if block_size != 1:
-        logging.info("compiling the AR (block size 1) decoder")
-        run(1.0, 1)
-    ar_out, ar_seconds = timed_run(1.0, 1)
-    ar_tokens_per_s = float(ar_out.accepted.sum() / ar_seconds)
+    ar_tokens_per_s = ar_seconds = None
+    if e.timing_repeats:
+        # Warm-ups, untimed: compile once per block size (threshold is a traced argument); the
+        # first gives the one-token (threshold-1.0) reference.
+        logging.info("compiling the decoder and decoding the threshold-1.0 reference")
+        reference_outputs = run(1.0).completions()
+        if block_size != 1:
+            logging.info("compiling the AR (block size 1) decoder")
+            run(1.0, 1)
+        ar_out, ar_seconds = timed_run(1.0, 1)
+        ar_tokens_per_s = float(ar_out.accepted.sum() / ar_seconds)
+        # At block size 1 and threshold 1.0 this is the AR baseline's own measurement.
+        decoded = {t: timed_run(t) for t in thresholds}
+    else:
+        # Untimed: each threshold decoded once, the threshold-1.0 one the reference.
+        decoded = {}  # threshold -> (DecodeOutput, None)
+        for threshold in sorted(set(thresholds) | {1.0}, reverse=True):
+            logging.info(
+                "decoding %d prompts at block size %d, threshold %.2f (untimed)",
+                len(prompts),
+                block_size,
+                threshold,
+            )
+            decoded[threshold] = (run(threshold), None)
+        reference_outputs = decoded[1.0][0].completions()
     results = []
     for threshold in thresholds:
-        # At block size 1 and threshold 1.0 this is the AR baseline's own measurement.
-        out, seconds = timed_run(threshold)
-        tokens_per_s = float(out.accepted.sum() / seconds)
-        speedup = tokens_per_s / ar_tokens_per_s
+        out, seconds = decoded[threshold]
         outputs = out.completions()
         texts = [tok.decode(o) for o in outputs]
+        speed = {}
+        if seconds is not None:
+            tokens_per_s = float(out.accepted.sum() / seconds)
+            speedup = tokens_per_s / ar_tokens_per_s
+            speed = {
+                "tokens_per_s": tokens_per_s,
+                "seconds": seconds,
+                "speedup": speedup,
+                "conversion": speedup / out.tokens_per_forward,
+            }
         results.append(
             {
                 "threshold": float(threshold),
                 "accuracy": accuracy(texts, references),
                 "tokens_per_forward": out.tokens_per_forward,
-                "tokens_per_s": tokens_per_s,
-                "seconds": seconds,
-                "speedup": speedup,
-                "conversion": speedup / out.tokens_per_forward,
+                **speed,
                 "mean_length": float(np.mean(out.lengths)),
                 "agreement_with_ar": float(
                     np.mean([o == r for o, r in zip(outputs, reference_outputs)])

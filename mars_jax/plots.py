@@ -96,9 +96,10 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
         conversion = f"{r['conversion']:.2f}" if "conversion" in r else "-"
+        tokens_per_s = f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else "-"
         lines.append(
             f"| {r['threshold']:.2f} | {r['accuracy']:.3f} | "
-            f"{r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | {speedup} | "
+            f"{r['tokens_per_forward']:.2f} | {tokens_per_s} | {speedup} | "
             f"{conversion} | {r['mean_length']:.1f} | {r['agreement_with_ar']:.3f} |"
         )
     return "\n".join(lines)

@@ -61,7 +61,7 @@ def test_defaults_pass():
         ({"eval__num_examples": 0}, "eval.num_examples", "0"),
         ({"eval__num_examples": -3}, "eval.num_examples", "-3"),
         ({"eval__nll_examples": 0}, "eval.nll_examples", "0"),
-        ({"eval__timing_repeats": 0}, "eval.timing_repeats", "0"),
+        ({"eval__timing_repeats": -1}, "eval.timing_repeats", "-1"),
     ],
 )
 def test_bad_setting(overrides, key, value):

@@ -273,6 +273,30 @@ def test_ar_decoding_is_its_own_baseline(trained, monkeypatch):
     assert "| 1.00x | 1.00 |" in plots.format_table(report)
 
 
+def test_untimed_evaluation_decodes_each_threshold_once_with_the_same_results(
+    trained, monkeypatch
+):
+    """eval.timing_repeats=0 (a learning curve's points): one decode per threshold, the
+    threshold-1.0 one the reference, no AR decode; every measure but the wall clock is the timed
+    evaluation's."""
+    workdir, cfg = trained
+    timed = evaluate.evaluate(cfg, workdir)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.eval.timing_repeats = 0
+    cfg.eval.thresholds = (0.9,)  # 1.0 is decoded all the same: agreement needs it
+    calls = _clocked(monkeypatch)
+    report = evaluate.evaluate(cfg, workdir)
+    assert [(b, t) for b, t, *_ in calls] == [(4, 1.0), (4, 0.9)]
+    assert report["ar_tokens_per_s"] is None and report["ar_seconds"] is None
+    (untimed,) = report["results"]
+    (same,) = [r for r in timed["results"] if r["threshold"] == 0.9]
+    speed = {"tokens_per_s", "seconds", "speedup", "conversion"}
+    assert speed.isdisjoint(untimed)
+    assert untimed == {k: v for k, v in same.items() if k not in speed}
+    assert report["ar_nll"] == timed["ar_nll"]
+    assert "| - | - | - |" in plots.format_table(report)
+
+
 def test_table_of_a_report_without_wall_clock_columns():
     """An eval.json written before speedup was measured (export.py tabulates old runs)."""
     table = plots.format_table(report(7, [0.9], seed=0))
