@@ -1,18 +1,20 @@
 r"""One user: the same prompts through `generate` and through the server, one at a time.
 
   PYTHONPATH=. python benchmarks/serve_one_user.py --workdir=models/smollm2 \
-      --num_prompts=8 --max_new_tokens=128 --thresholds=1.0 --slots=1 --max_prompt_len=256 \
-      --output_dir=benchmarks/results/serve_one_user
+      --num_prompts=8 --passes=2 --max_new_tokens=128 --thresholds=1.0 --slots=1 \
+      --max_prompt_len=256 --steps_per_call=8 --output_dir=benchmarks/results/serve_one_user
 
 For each threshold, each prompt (a GSM8K test question, chat-templated) is decoded by
-`generate.complete` alone, then sent alone to a live server on 127.0.0.1 (chat completions,
+`generate.complete` alone and sent alone to a live server on 127.0.0.1 (chat completions,
 greedy, ``max_tokens`` = ``--max_new_tokens``, not streamed) started with the server flags
 given here (``--slots``, ``--max_prompt_len``, ``--steps_per_call``, ``--prefill_chunk``: the
-one-user profile of docs/serving.md by default). Each prompt goes to generate and then to the
-server, twice over; the second pass is timed (the first compiles each prompt's shapes). Tokens/s is completion tokens over the wall clock of the calls (the
-server's: request sent to answer read, HTTP included); the ratio is generate's over the
-server's (1.0: as fast). Both in one process on the same weights, so only the ratio means
-anything. Writes serve_one_user.md and .json to ``--output_dir``.
+one-user profile of docs/serving.md by default). A pair's order swaps from one pair to the
+next; an untimed pass over the prompts compiles their shapes, then ``--passes`` passes are
+timed. Tokens/s is completion tokens over the wall clock of the calls (the server's: request
+sent to answer read, HTTP included); the ratio is generate's over the server's (1.0: as fast),
+over all pairs and as the median of the pairs' own ratios (on a shared CPU one pair can be
+off by 15%). Both in one process on the same weights, so only the ratios mean anything. Writes
+serve_one_user.md and .json to ``--output_dir``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 import sys
 import time
 import urllib.request
+
+import numpy as np
 
 from absl import app, flags
 
@@ -37,12 +41,13 @@ def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "The run or Hugging Face directory.", required=True)
     flags.DEFINE_integer("block_size", None, "Block size (default: the run's or config.json's).")
     flags.DEFINE_string("prompts", "../shared/data/gsm8k/test.jsonl", "GSM8K-style JSONL.")
-    flags.DEFINE_integer("num_prompts", 8, "Prompts timed (each run twice: the second timed).")
+    flags.DEFINE_integer("num_prompts", 8, "Prompts (each decoded 1 + --passes times).")
+    flags.DEFINE_integer("passes", 2, "Timed passes over the prompts, after an untimed one.")
     flags.DEFINE_integer("max_new_tokens", 128, "Completion budget of every prompt.")
     flags.DEFINE_list("thresholds", ["1.0"], "Thresholds (1.0: AR).")
     flags.DEFINE_integer("slots", 1, "Server: --slots.")
     flags.DEFINE_integer("max_prompt_len", 256, "Server: --max_prompt_len.")
-    flags.DEFINE_integer("steps_per_call", 4, "Server: forwards per device call.")
+    flags.DEFINE_integer("steps_per_call", 8, "Server: forwards per device call.")
     flags.DEFINE_integer("prefill_chunk", None, "Server: --prefill_chunk (default: whole).")
     flags.DEFINE_integer("max_logprobs", 20, "Server: --max_logprobs (0: none computed).")
     flags.DEFINE_string("output_dir", None, "Where serve_one_user.md and .json go.")
@@ -67,7 +72,8 @@ def post(url: str, body: dict) -> dict:
 
 def measure(opened, prompts: list[str], threshold: float) -> dict:
     """One threshold: generate's and the server's tokens/s over ``prompts``, each prompt
-    decoded by one and then the other (so that a machine's drift falls on both alike)."""
+    decoded by one and then the other, the order swapping from pair to pair (so that a machine's
+    drift falls on both alike); ``--passes`` timed passes after an untimed one."""
     options = opened.options(max_new_tokens=FLAGS.max_new_tokens, threshold=threshold)
     server = serve.make_server(
         opened,
@@ -80,60 +86,69 @@ def measure(opened, prompts: list[str], threshold: float) -> dict:
         max_logprobs=FLAGS.max_logprobs or None,
     )
     running = serve.Background(serve.build_app(server))
-    generated, served, seconds, served_seconds = [], [], 0.0, 0.0
+    body = {"max_tokens": FLAGS.max_new_tokens, "temperature": 0, "threshold": threshold}
+
+    def generated(p):
+        start = time.perf_counter()
+        out = generate.complete(opened, [p], options)[0]
+        return out, time.perf_counter() - start
+
+    def served(p):
+        start = time.perf_counter()
+        answer = post(running.url, {**body, "messages": [{"role": "user", "content": p}]})
+        return answer, time.perf_counter() - start
+
+    pairs = []  # (generate's output, its seconds, the server's answer, its seconds)
     try:
-        for timed in (False, True):  # the first pass compiles each prompt's shapes, for both
-            for p in prompts:
-                start = time.perf_counter()
-                out = generate.complete(opened, [p], options)[0]
-                middle = time.perf_counter()
-                answer = post(
-                    running.url,
-                    {
-                        "messages": [{"role": "user", "content": p}],
-                        "max_tokens": FLAGS.max_new_tokens,
-                        "temperature": 0,
-                        "threshold": threshold,
-                    },
-                )
+        # The first pass compiles each prompt's shapes, for both; the others are timed.
+        for timed in [False] + [True] * FLAGS.passes:
+            for i, p in enumerate(prompts):
+                if (i + len(pairs)) % 2:
+                    (answer, s_seconds), (out, g_seconds) = served(p), generated(p)
+                else:
+                    (out, g_seconds), (answer, s_seconds) = generated(p), served(p)
                 if timed:
-                    seconds += middle - start
-                    served_seconds += time.perf_counter() - middle
-                    generated.append(out)
-                    served.append(answer)
+                    pairs.append((out, g_seconds, answer, s_seconds))
     finally:
         running.close()
         server.engine.stop()
-    gen_tokens = sum(len(o["tokens"]) for o in generated)
-    served_tokens = sum(a["usage"]["completion_tokens"] for a in served)
-    same = sum(
-        a["choices"][0]["message"]["content"] == o["text"] for a, o in zip(served, generated)
-    )
+    gen_tokens = sum(len(o["tokens"]) for o, *_ in pairs)
+    served_tokens = sum(a["usage"]["completion_tokens"] for _, _, a, _ in pairs)
+    same = sum(a["choices"][0]["message"]["content"] == o["text"] for o, _, a, _ in pairs)
+    seconds, served_seconds = sum(p[1] for p in pairs), sum(p[3] for p in pairs)
     gen_rate, served_rate = gen_tokens / seconds, served_tokens / served_seconds
+    # Per pair: generate's tokens/s over the server's (the same tokens when the text agrees).
+    ratios = [
+        (len(o["tokens"]) / g) / max(a["usage"]["completion_tokens"] / s, 1e-9)
+        for o, g, a, s in pairs
+    ]
     return {
         "threshold": threshold,
-        "prompts": len(generated),
+        "prompts": len(pairs),
         "generate_tokens": gen_tokens,
         "generate_tokens_per_s": gen_rate,
         "serve_tokens": served_tokens,
         "serve_tokens_per_s": served_rate,
         "generate_over_serve": gen_rate / served_rate,
+        "pair_ratios": [round(r, 4) for r in ratios],
+        "median_pair_ratio": float(np.median(ratios)),
         "same_text": same,
         "tokens_per_forward": gen_tokens
-        / max(sum(len(o["tokens"]) / o["tokens_per_forward"] for o in generated), 1e-9),
+        / max(sum(len(o["tokens"]) / o["tokens_per_forward"] for o, *_ in pairs), 1e-9),
     }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| threshold | generate tokens/s | serve tokens/s | generate / serve | same text "
-        "| tokens/forward |",
-        "|---|---|---|---|---|---|",
+        "| threshold | generate tokens/s | serve tokens/s | generate / serve "
+        "| median of pairs | same text | tokens/forward |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['threshold']:.2f} | {r['generate_tokens_per_s']:.1f} | "
             f"{r['serve_tokens_per_s']:.1f} | {r['generate_over_serve']:.2f}x | "
+            f"{r['median_pair_ratio']:.2f}x | "
             f"{r['same_text']} of {r['prompts']} | {r['tokens_per_forward']:.2f} |"
         )
     return "\n".join(lines) + "\n"
@@ -145,7 +160,7 @@ def main(_) -> None:
     rows = [measure(opened, prompts, float(t)) for t in FLAGS.thresholds]
     settings = {
         k: getattr(FLAGS, k)
-        for k in ("workdir", "num_prompts", "max_new_tokens", "slots", "max_prompt_len")
+        for k in ("workdir", "num_prompts", "passes", "max_new_tokens", "slots", "max_prompt_len")
     }
     settings |= {k: getattr(FLAGS, k) for k in ("steps_per_call", "prefill_chunk", "max_logprobs")}
     table = markdown(rows)

@@ -1249,11 +1249,16 @@ def run_serve_one_user(commands, request, tmp_path):
     needs_shared_data()
     for i, command in enumerate(commands):
         out = tmp_path / f"out{i}"
-        extra = ["--num_prompts=1", "--max_new_tokens=4", f"--output_dir={out}"]
+        extra = ["--num_prompts=1", "--passes=2", "--max_new_tokens=4", f"--output_dir={out}"]
         run_command(command, extra, subs=resolve_subs(command, request))
         rows = json.loads((out / "serve_one_user.json").read_text())["rows"]
-        assert [(r["threshold"], r["prompts"], r["same_text"]) for r in rows] == [(1.0, 1, 1)]
-        assert rows[0]["generate_tokens"] == rows[0]["serve_tokens"] == 4
+        assert [(r["threshold"], r["prompts"], r["same_text"]) for r in rows] == [(1.0, 2, 2)]
+        assert rows[0]["generate_tokens"] == rows[0]["serve_tokens"] == 8
+        # Each pair's ratio is its tokens/s over the server's; the median lies among them.
+        assert len(rows[0]["pair_ratios"]) == 2
+        assert min(rows[0]["pair_ratios"]) <= rows[0]["median_pair_ratio"] <= max(
+            rows[0]["pair_ratios"]
+        )
 
 
 def run_decode_speed(commands, request, tmp_path):
