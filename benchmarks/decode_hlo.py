@@ -80,6 +80,7 @@ from jax.sharding import PartitionSpec as P
 from mars_jax import cli, decode, kv_cache, sharding  # noqa: E402
 from mars_jax import config as config_lib  # noqa: E402
 from mars_jax import model as model_lib
+from mars_jax.decode_state import DecoderSettings, RowSettings  # noqa: E402
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
@@ -618,12 +619,11 @@ def compile_decoders(
     arg = lambda shape, dtype, sh=None: jax.ShapeDtypeStruct(
         shape, dtype, sharding=sh or row(shape)
     )
-    key = jax.eval_shape(lambda: jax.random.key(0))
     out = []
     for name in decoders:
         cache_mode, rule = DECODERS[name]
         b = 1 if name == "ar" else block_size
-        settings = decode.DecoderSettings(
+        settings = DecoderSettings(
             block_size=b,
             max_new_tokens=max_new_tokens,
             eos_ids=DEFAULT_EOS_IDS,
@@ -636,17 +636,18 @@ def compile_decoders(
             axis_rules=rules,
             on_accept=None,
         )
-        scalar = lambda dtype: arg((), dtype, param_sharding)
+        row_settings = jax.eval_shape(
+            lambda: RowSettings.build(
+                rows, threshold=0.9, max_accept=b, max_new_tokens=max_new_tokens
+            )
+        )
         t0 = time.perf_counter()
         compiled = decode._generate.lower(
-            graphdef,
             params,
             arg((rows, prompt_len), jnp.int32),
             arg((rows,), jnp.int32),
-            arg((rows,), jnp.float32),
-            scalar(jnp.int32),
-            scalar(jnp.float32),
-            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=param_sharding),
+            jax.tree.map(lambda a: arg(a.shape, a.dtype), row_settings),
+            graphdef=graphdef,
             settings=settings,
         ).compile()
         result = {

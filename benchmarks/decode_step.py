@@ -12,7 +12,7 @@ and no EOS, on random weights of a real architecture (``--shapes``: configs/qwen
 configs/qwen7b.py, or ``tiny`` for smoke runs), in ``--dtypes`` (parameters, compute and KV
 cache in that dtype). Prompts are ``--prompt_len`` random tokens.
 
-Per (shape, dtype, batch, B) one program per mode is compiled, `mars_jax.decode.Decoder.steps`:
+Per (shape, dtype, batch, B) one program per mode is compiled, `mars_jax.decoder.Decoder.steps`:
 ``--steps`` forwards in one jitted ``while_loop`` (no host round trip between forwards, as in
 `decode.generate`), its state donated; then every (mode, K) runs once untimed and ``--repeats``
 rounds time each in turn, best kept (a busy machine favours none). Modes:
@@ -47,7 +47,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from mars_jax import decode
+from mars_jax import acceptance
+from mars_jax.decode_state import DecoderSettings, DecodeState, RowSettings
+from mars_jax.decoder import Decoder
 from mars_jax.model import ModelConfig
 from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
@@ -85,11 +87,11 @@ def model_config(shape: str, dtype: str, **overrides) -> ModelConfig:
 
 def make_decoder(
     graphdef, *, block_size: int, mode: str, max_new_tokens: int, mesh=None, axis_rules=None
-) -> decode.Decoder:
-    """The `decode.Decoder` of ``mode`` (`MODES`; ``ar`` is block size 1), with no EOS."""
-    return decode.Decoder(
+) -> Decoder:
+    """The `Decoder` of ``mode`` (`MODES`; ``ar`` is block size 1), with no EOS."""
+    return Decoder(
         graphdef,
-        decode.DecoderSettings(
+        DecoderSettings(
             block_size=1 if mode == "ar" else block_size,
             max_new_tokens=max_new_tokens,
             eos_ids=(),
@@ -106,8 +108,8 @@ def make_decoder(
 
 
 def prefill(
-    decoder: decode.Decoder, params, *, rows: int, prompt_len: int, accept: int, seed: int = 0
-) -> decode.DecodeState:
+    decoder: Decoder, params, *, rows: int, prompt_len: int, accept: int, seed: int = 0
+) -> DecodeState:
     """The state after prefilling ``rows`` random prompts of ``prompt_len`` tokens, each row
     accepting exactly ``accept`` tokens per forward from then on."""
     ids = np.random.default_rng(seed).integers(0, ENDOFTEXT_ID, (rows, prompt_len))
@@ -115,10 +117,13 @@ def prefill(
         params,
         jnp.asarray(ids, jnp.int32),
         jnp.full((rows,), prompt_len, jnp.int32),
-        jnp.full((rows,), ACCEPT_ALL, jnp.float32),
-        jnp.int32(accept),
-        jnp.float32(0.0),
-        jax.random.key(seed),
+        RowSettings.build(
+            rows,
+            threshold=ACCEPT_ALL,
+            max_accept=accept,
+            max_new_tokens=decoder.settings.max_new_tokens,
+            seed=seed,
+        ),
     )
 
 
@@ -128,8 +133,8 @@ class Case:
 
     mode: str
     accept: int
-    decoder: decode.Decoder
-    state: decode.DecodeState
+    decoder: Decoder
+    state: DecodeState
     best: float = math.inf
     tokens_per_forward: float = 0.0
 
@@ -341,8 +346,8 @@ def parts(
 
     @jax.jit
     def choice(logits):
-        token = decode.argmax(logits)
-        return token, decode.ACCEPTANCE_RULES["prob"].confidence(logits, token)
+        token = acceptance.argmax(logits)
+        return token, acceptance.ACCEPTANCE_RULES["prob"].confidence(logits, token)
 
     def best(fn, *args):
         jax.block_until_ready(fn(*args))

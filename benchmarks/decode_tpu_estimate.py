@@ -3,7 +3,7 @@ r"""What one decode step costs on TPU, by mode, as libtpu's compiler estimates i
   PYTHONPATH=. python benchmarks/decode_tpu_estimate.py --shape=qwen7b --topology=v5e:2x2 \
       --tensor=4 --batch_sizes=1,4,16,64 --block_sizes=4,8 [--output_dir=DIR] [--json]
 
-Each forward a decode step can run (`mars_jax.decode.Decoder.branch`) is lowered and compiled
+Each forward a decode step can run (`mars_jax.decoder.Decoder.branch`) is lowered and compiled
 ahead of time for the TPU topology with libtpu on this CPU, as launch/memory_plan.py does for
 the train step: inputs are ``jax.ShapeDtypeStruct``s with shardings (parameters by the training
 rules, ``tensor`` chips over heads; the KV cache by `mars_jax.kv_cache.CACHE_AXES`), so nothing is
@@ -55,7 +55,9 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import decode_hlo, decode_step, roofline  # noqa: E402
 from launch import memory_plan  # noqa: E402
-from mars_jax import cli, decode, sharding  # noqa: E402
+from mars_jax import cli, sharding  # noqa: E402
+from mars_jax.decode_state import RowSettings  # noqa: E402
+from mars_jax.decoder import Decoder  # noqa: E402
 from mars_jax.kv_cache import CACHE_AXES  # noqa: E402
 from mars_jax.model import abstract_params  # noqa: E402
 
@@ -103,10 +105,7 @@ def compile_program(
                 nnx.merge(graphdef, params),
                 jnp.zeros((rows, prompt_len), jnp.int32),
                 jnp.full((rows,), prompt_len, jnp.int32),
-                jnp.ones((rows,), jnp.float32),
-                jnp.int32(1),
-                jnp.float32(0.0),
-                jax.random.key(0),
+                RowSettings.build(rows, threshold=1.0, max_accept=1, max_new_tokens=max_new_tokens),
             )
 
     shapes = jax.eval_shape(prefilled, params)
@@ -122,7 +121,7 @@ def compile_program(
             )
         )
     start = time.perf_counter()
-    compiled = decode.Decoder.branch.lower(decoder, params, state, branch).compile()
+    compiled = Decoder.branch.lower(decoder, params, state, branch).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     mem = compiled.memory_analysis()

@@ -26,7 +26,6 @@ import time
 import urllib.request
 
 import numpy as np
-
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

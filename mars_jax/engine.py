@@ -4,7 +4,7 @@ its own request with its own threshold, temperature, seed and token budget; a re
 for a slot takes the first one that frees, while the others keep decoding.
 
 The engine has the shape of JetStream's (prefill a request, insert it into a free slot, run
-decode steps for all slots, free the slot) over the engine API of `mars_jax.decode.Decoder`,
+decode steps for all slots, free the slot) over the engine API of `mars_jax.decoder.Decoder`,
 which owns every device update; the engine keeps only slot ids, queues, host counts and numpy
 arrays, and never imports jax:
 
@@ -44,8 +44,9 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from mars_jax.decode import Decoder, DecoderSettings, DecodeState, seed_keys
 from mars_jax.decode_options import CacheMode, DecodeOptions, OptionError
+from mars_jax.decode_state import DecoderSettings, DecodeState, RowSettings
+from mars_jax.decoder import Decoder
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
 
@@ -74,7 +75,7 @@ class Update:
     the answer ended are not its), and ``token_forwards`` [int], each of ``tokens``' forwards up
     to it (a caller that cuts the answer at a stop string counts up to there). With the
     request's ``logprobs``: ``logprobs`` [float] of ``tokens`` under
-    the model (`decode.DecodeState.logprobs`) and ``top_logprobs`` [[(id, logprob)]], each
+    the model (`decode_state.DecodeState.logprobs`) and ``top_logprobs`` [[(id, logprob)]], each
     token's most likely alternatives."""
 
     tokens: list[int]
@@ -347,20 +348,20 @@ class Engine:
         ids = np.full((rows, width), self.pad_id, np.int32)
         for r, q in enumerate(requests):
             ids[r, : len(q.prompt_ids)] = q.prompt_ids
-        return self.decoder.begin(
-            self.params,
-            ids,
-            np.asarray([len(q.prompt_ids) for q in requests], np.int32),
-            np.asarray([q.threshold for q in requests], np.float32),
-            np.int32(self.decoder.settings.block_size),
-            np.asarray([q.temperature for q in requests], np.float32),
-            seed_keys([q.seed for q in requests]),
-            np.asarray([q.top_p for q in requests], np.float32),
-            np.asarray([q.logprobs is not None for q in requests]),
+        row_settings = RowSettings.build(
+            rows,
+            threshold=[q.threshold for q in requests],
+            max_accept=self.decoder.settings.block_size,
             # Each row stops at its own budget inside a device call: its forwards count only
             # those that decoded for it (usage's tokens_per_forward).
-            np.asarray([q.max_tokens for q in requests], np.int32),
+            max_new_tokens=[q.max_tokens for q in requests],
+            temperature=[q.temperature for q in requests],
+            seed=[q.seed for q in requests],
+            top_p=[q.top_p for q in requests],
+            want_logprobs=[q.logprobs is not None for q in requests],
         )
+        lengths = np.asarray([len(q.prompt_ids) for q in requests], np.int32)
+        return self.decoder.begin(self.params, ids, lengths, row_settings)
 
     def _admit(self) -> None:
         """Takes waiting requests into the free slots: those admitted in one turn are one

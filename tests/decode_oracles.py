@@ -17,6 +17,7 @@ from flax import nnx
 
 from mars_jax import decode, engine
 from mars_jax.decode_options import DecodeOptions
+from mars_jax.decode_state import DecoderSettings
 from mars_jax.model import ModelConfig, Qwen2, causal_mask
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID
 
@@ -257,13 +258,11 @@ qwen_generate = functools.partial(decode.generate, **QWEN_IDS)
 qwen_generate_batched = functools.partial(decode.generate_batched, pad_id=ENDOFTEXT_ID, **QWEN_IDS)
 
 
-def qwen_settings(
-    *, sampling=False, mesh=None, axis_rules=None, **fields
-) -> decode.DecoderSettings:
-    """The `decode.DecoderSettings` of the `DecodeOptions` of ``fields`` (block size 4 and
+def qwen_settings(*, sampling=False, mesh=None, axis_rules=None, **fields) -> DecoderSettings:
+    """The `DecoderSettings` of the `DecodeOptions` of ``fields`` (block size 4 and
     MAX_NEW unless given) with Qwen2.5's ids, as `decode.generate` builds them."""
     options = DecodeOptions(**{"block_size": 4, "max_new_tokens": MAX_NEW, **fields})
-    return decode.DecoderSettings.of(
+    return DecoderSettings.of(
         options, **QWEN_IDS, sampling=sampling, mesh=mesh, axis_rules=axis_rules
     )
 

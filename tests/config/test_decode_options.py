@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mars_jax import config, decode
+from mars_jax import acceptance, config, decode
 from mars_jax.decode_options import (
     CACHE_MODES,
     RULES,
@@ -34,7 +34,9 @@ def test_names_become_enums_and_values_are_normalised():
     assert DecodeOptions(temperature=0.7).sampling
     # Hashable and equal by value (a jit cache key, a dict key).
     assert hash(DecodeOptions(rule="prob")) == hash(DecodeOptions(rule=Rule.PROB))
-    assert CACHE_MODES == ("sliding", "block", "none") and RULES == tuple(decode.ACCEPTANCE_RULES)
+    assert CACHE_MODES == ("sliding", "block", "none") and RULES == tuple(
+        acceptance.ACCEPTANCE_RULES
+    )
 
 
 @pytest.mark.parametrize(

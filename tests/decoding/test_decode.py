@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mars_jax import decode
+from mars_jax import acceptance, decode
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 from tests.decode_oracles import (
     MAX_NEW,
@@ -454,14 +454,14 @@ def test_loop_ends_even_if_a_step_accepts_nothing(mid, monkeypatch):
     """The loop condition bounds the forwards at max_new_tokens: a step that accepts no token
     (a bug) ends the decode instead of spinning forever."""
     ids, lengths, _ = make_batch([3, 9], seed=8)
-    real = decode._count
+    real = acceptance.accept_count
 
     def accept_nothing(token, ok, eos, budget):
         count, hit_eos = real(token, ok, eos, budget)
         return jnp.zeros_like(count), jnp.zeros_like(hit_eos)
 
     decode._generate.clear_cache()
-    monkeypatch.setattr(decode, "_count", accept_nothing)
+    monkeypatch.setattr(acceptance, "accept_count", accept_nothing)
     try:
         out = qwen_generate(mid, ids, lengths, block_size=4, threshold=0.9, max_new_tokens=5)
     finally:

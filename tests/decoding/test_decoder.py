@@ -1,4 +1,4 @@
-"""The decoder's structure: `decode.Decoder`'s pieces (prefill, one step, a few steps, one branch,
+"""The decoder's structure: `decoder.Decoder`'s pieces (prefill, one step, a few steps, one branch,
 the result) driven from the host give exactly `decode.generate`'s output; each piece lowers and
 compiles alone; per-row settings travel in the state; an acceptance rule is one class; the
 reductions that replace argmax and log_softmax agree with jax's own bit for bit."""
@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mars_jax import decode
+from mars_jax import acceptance
+from mars_jax.decode_state import RowSettings
+from mars_jax.decoder import Decoder
 from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate, qwen_settings
 
 
@@ -21,18 +23,18 @@ def mid():
 def host_loop(model, ids, lengths, st, *, threshold, temperature=0.0, seeds=None, chunk=0):
     """Decodes by hand: prefill, then `step` (or `steps` of ``chunk``) until finished."""
     graphdef, params = nnx.split(model)
-    dec = decode.Decoder(graphdef, st)
+    dec = Decoder(graphdef, st)
     rows = len(lengths)
     seeds = np.zeros(rows, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
-    state = dec.prefill(
-        params,
-        jnp.asarray(ids),
-        jnp.asarray(lengths),
-        jnp.broadcast_to(jnp.float32(threshold), (rows,)),
-        jnp.int32(st.block_size),
-        jnp.float32(temperature),
-        jax.vmap(jax.random.key)(jnp.asarray(seeds)),
+    row_settings = RowSettings.build(
+        rows,
+        threshold=threshold,
+        max_accept=st.block_size,
+        max_new_tokens=st.max_new_tokens,
+        temperature=temperature,
+        seed=seeds,
     )
+    state = dec.prefill(params, jnp.asarray(ids), jnp.asarray(lengths), row_settings)
     calls = 0
     while not bool(dec.finished(state)):
         state = dec.steps(params, state, chunk) if chunk else dec.step(params, state)
@@ -116,17 +118,17 @@ def test_per_row_settings_travel_in_the_state(mid):
     """Rows of one batch with their own threshold and temperature each decode as alone."""
     ids, lengths, _ = make_batch([5, 8, 4], seed=6)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, qwen_settings(sampling=True))
+    dec = Decoder(graphdef, qwen_settings(sampling=True))
     thresholds, temps, seeds = [1.0, 0.6, 0.9], [0.0, 0.8, 0.5], [1, 2, 3]
-    state = dec.prefill(
-        params,
-        jnp.asarray(ids),
-        jnp.asarray(lengths),
-        jnp.asarray(thresholds),
-        jnp.asarray([4, 2, 4], jnp.int32),
-        jnp.asarray(temps, jnp.float32),
-        jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)),
+    row_settings = RowSettings.build(
+        3,
+        threshold=thresholds,
+        max_accept=[4, 2, 4],
+        max_new_tokens=MAX_NEW,
+        temperature=temps,
+        seed=seeds,
     )
+    state = dec.prefill(params, jnp.asarray(ids), jnp.asarray(lengths), row_settings)
     while not bool(dec.finished(state)):
         state = dec.step(params, state)
     batch = dec.result(state)
@@ -145,29 +147,22 @@ def test_per_row_settings_travel_in_the_state(mid):
 def test_each_piece_lowers_and_compiles_alone(mid, cache_mode):
     ids, lengths, _ = make_batch([5, 3], seed=1)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, qwen_settings(cache_mode=cache_mode))
+    dec = Decoder(graphdef, qwen_settings(cache_mode=cache_mode))
     args = (
         params,
         jnp.asarray(ids),
         jnp.asarray(lengths),
-        jnp.full((2,), 0.9, jnp.float32),
-        jnp.int32(4),
-        jnp.float32(0.0),
-        jax.random.key(0),
+        RowSettings.build(2, threshold=0.9, max_accept=4, max_new_tokens=MAX_NEW),
     )
-    prefill = decode.Decoder.prefill.lower(dec, *args).compile()
+    prefill = Decoder.prefill.lower(dec, *args).compile()
     state = dec.prefill(*args)
-    step = decode.Decoder.step.lower(dec, params, state).compile()
+    step = Decoder.step.lower(dec, params, state).compile()
     # One forward: each branch's layer scan is the program's only loop (no decode loop).
     assert step.as_text().count(" while(") == len(dec.branches) == 2
     assert prefill.as_text().count(" while(") == 1  # the prompt's forward scans the layers
     for name in dec.branches:
         assert (
-            decode.Decoder.branch.lower(dec, params, state, name)
-            .compile()
-            .as_text()
-            .count(" while(")
-            == 1
+            Decoder.branch.lower(dec, params, state, name).compile().as_text().count(" while(") == 1
         )
     other = "fill" if cache_mode == "sliding" else "narrow"
     with pytest.raises(ValueError, match=f"branch '{other}'"):
@@ -178,26 +173,20 @@ def test_branch_is_the_forward_that_step_takes(mid):
     """After the prefill every row has one uncached token: the adaptive step runs ``narrow``."""
     ids, lengths, _ = make_batch([5, 3], seed=1)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, qwen_settings())
+    dec = Decoder(graphdef, qwen_settings())
     assert dec.branches == ("narrow", "wide")
-    state = dec.prefill(
-        params,
-        jnp.asarray(ids),
-        jnp.asarray(lengths),
-        jnp.full((2,), 0.9, jnp.float32),
-        jnp.int32(4),
-        jnp.float32(0.0),
-        jax.random.key(0),
-    )
+    row_settings = RowSettings.build(2, threshold=0.9, max_accept=4, max_new_tokens=MAX_NEW)
+    state = dec.prefill(params, jnp.asarray(ids), jnp.asarray(lengths), row_settings)
     stepped = dec.step(params, state)
     narrow = dec.branch(params, state, "narrow")
-    plain = lambda s: jax.tree.leaves(s.replace(row_keys=jax.random.key_data(s.row_keys)))
+    keys = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    plain = lambda s: jax.tree.leaves(jax.tree.map(keys, s))
     for a, b in zip(plain(stepped), plain(narrow)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(narrow.forwards) == 1
 
 
-class AcceptAll(decode.AcceptanceRule):
+class AcceptAll(acceptance.AcceptanceRule):
     """A rule that accepts every candidate: the test of 'a new rule is one class'."""
 
     name = "accept_all"
@@ -207,7 +196,7 @@ class AcceptAll(decode.AcceptanceRule):
 
 
 def test_a_new_rule_is_one_class(mid, monkeypatch):
-    monkeypatch.setitem(decode.ACCEPTANCE_RULES, "accept_all", AcceptAll())
+    monkeypatch.setitem(acceptance.ACCEPTANCE_RULES, "accept_all", AcceptAll())
     ids, lengths, _ = make_batch([5, 9], seed=3)
     out = qwen_generate(
         mid,
@@ -229,15 +218,15 @@ def test_argmax_and_prob_confidence_equal_jax_bit_for_bit():
     logits = logits.at[0, 1, 7].set(logits[0, 1].max()).at[0, 1, 3].set(logits[0, 1].max())
     logits = logits.at[1, 2, 9].set(jnp.nan).at[1, 2, 20].set(jnp.nan)
     np.testing.assert_array_equal(
-        np.asarray(decode.argmax(logits)), np.asarray(jnp.argmax(logits, axis=-1))
+        np.asarray(acceptance.argmax(logits)), np.asarray(jnp.argmax(logits, axis=-1))
     )
-    assert int(decode.argmax(logits)[0, 1]) == 3 and int(decode.argmax(logits)[1, 2]) == 9
+    assert int(acceptance.argmax(logits)[0, 1]) == 3 and int(acceptance.argmax(logits)[1, 2]) == 9
     finite = logits.at[1, 2].set(0.0)
     for token in (jnp.argmax(finite, -1), jax.random.randint(jax.random.key(1), (3, 5), 0, 1000)):
         expect = jnp.exp(
             jnp.take_along_axis(jax.nn.log_softmax(finite), token[..., None], axis=-1)[..., 0]
         )
-        got = jax.jit(decode.ACCEPTANCE_RULES["prob"].confidence)(finite, token)
+        got = jax.jit(acceptance.ACCEPTANCE_RULES["prob"].confidence)(finite, token)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expect))
 
 
@@ -248,22 +237,26 @@ def test_engine_api_insert_free_and_new_tokens(mid):
     as its prompt alone, and the other rows as before."""
     ids, lengths, _ = make_batch([5, 8, 4, 7], width=10, seed=8)
     graphdef, params = nnx.split(mid)
-    dec = decode.Decoder(graphdef, qwen_settings(sampling=True))
+    dec = Decoder(graphdef, qwen_settings(sampling=True))
     thresholds, temps, seeds = [0.9, 0.6, 1.0, 0.7], [0.0, 0.8, 0.0, 0.5], [5, 2**32 - 1, 9, 4]
 
     def prefill(rows):
-        return dec.prefill(
-            params,
-            ids[rows],
-            lengths[rows],
-            np.float32(thresholds)[rows],
-            np.int32(4),
-            np.float32(temps)[rows],
-            decode.seed_keys(np.asarray(seeds)[rows]),
+        row_settings = RowSettings.build(
+            len(rows),
+            threshold=np.float32(thresholds)[rows],
+            max_accept=4,
+            max_new_tokens=MAX_NEW,
+            temperature=np.float32(temps)[rows],
+            seed=np.asarray(seeds)[rows],
         )
+        return dec.prefill(params, ids[rows], lengths[rows], row_settings)
 
     def host(state):
-        return {k: np.asarray(v) for k, v in vars(state).items() if k not in ("cache", "row_keys")}
+        arrays = {
+            k: np.asarray(v) for k, v in vars(state).items() if k not in ("cache", "row_settings")
+        }
+        settings = vars(state.row_settings).items()
+        return arrays | {f"row_settings.{k}": np.asarray(v) for k, v in settings if k != "keys"}
 
     def check_read(state, sent, width):
         full = host(state)

@@ -10,12 +10,12 @@ import pathlib
 import threading
 import time
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from mars_jax import decode, engine
+from mars_jax.decode_state import RowSettings
 from mars_jax.errors import InputError
 from mars_jax.model import Qwen2
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, IM_END_ID
@@ -243,8 +243,8 @@ def test_chunked_prefill_writes_the_one_forward_cache(model):
         chunked = eng.decoder.prefill_chunk(eng.params, chunked, chunk, np.asarray([start]))
     ids = np.zeros((1, eng._width), np.int32)
     ids[0, :WIDTH] = request.prompt_ids
-    settings = (np.ones(1), np.int32(B), np.zeros(1), jax.random.key(0)[None])
-    one = eng.decoder.prefill(eng.params, ids, np.asarray([WIDTH]), *settings)
+    row_settings = RowSettings.build(1, threshold=1.0, max_accept=B, max_new_tokens=MAX_NEW)
+    one = eng.decoder.prefill(eng.params, ids, np.asarray([WIDTH]), row_settings)
     for name in ("k", "v"):
         np.testing.assert_allclose(
             np.asarray(chunked.cache[name])[:, :, :WIDTH],

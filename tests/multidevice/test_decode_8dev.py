@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from mars_jax import decode, sharding
+from mars_jax.decode_state import RowSettings
 from tests.decode_oracles import MAX_NEW, make_batch, make_model, qwen_generate, qwen_settings
 
 
@@ -46,14 +47,13 @@ def result():
     gd, params = nnx.split(placed)
     compiled = (
         decode._generate.lower(
-            gd,
             params,
             jnp.asarray(ids),
             jnp.asarray(lengths),
-            jnp.full((4,), 0.9, jnp.float32),
-            jnp.int32(4),
-            jnp.float32(0.0),
-            jax.random.key(0),
+            RowSettings.build(
+                4, threshold=0.9, max_accept=4, max_new_tokens=settings.max_new_tokens
+            ),
+            graphdef=gd,
             settings=settings,
         )
         .compile()

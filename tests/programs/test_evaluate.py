@@ -273,9 +273,7 @@ def test_ar_decoding_is_its_own_baseline(trained, monkeypatch):
     assert "| 1.00x | 1.00 |" in plots.format_table(report)
 
 
-def test_untimed_evaluation_decodes_each_threshold_once_with_the_same_results(
-    trained, monkeypatch
-):
+def test_untimed_evaluation_decodes_each_threshold_once_with_the_same_results(trained, monkeypatch):
     """eval.timing_repeats=0 (a learning curve's points): one decode per threshold, the
     threshold-1.0 one the reference, no AR decode; every measure but the wall clock is the timed
     evaluation's."""

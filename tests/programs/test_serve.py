@@ -848,16 +848,16 @@ def test_command_line_serves_and_exits_0_on_sigterm(tmp_path):
 FAULT = """
 import sys
 import numpy as np
-from mars_jax import decode, serve
+from mars_jax import decoder, serve
 
-real = decode.Decoder.steps
+real = decoder.Decoder.steps
 
 def broken(self, params, state, num_steps):
     if np.asarray(state.done).all():  # the start-up warm-up (no row decoding): let it compile
         return real(self, params, state, num_steps)
     raise RuntimeError("INTERNAL: injected device fault")
 
-decode.Decoder.steps = broken
+decoder.Decoder.steps = broken
 sys.argv[0] = "serve"
 serve.main()
 """

@@ -1256,8 +1256,10 @@ def run_serve_one_user(commands, request, tmp_path):
         assert rows[0]["generate_tokens"] == rows[0]["serve_tokens"] == 8
         # Each pair's ratio is its tokens/s over the server's; the median lies among them.
         assert len(rows[0]["pair_ratios"]) == 2
-        assert min(rows[0]["pair_ratios"]) <= rows[0]["median_pair_ratio"] <= max(
-            rows[0]["pair_ratios"]
+        assert (
+            min(rows[0]["pair_ratios"])
+            <= rows[0]["median_pair_ratio"]
+            <= max(rows[0]["pair_ratios"])
         )
 
 

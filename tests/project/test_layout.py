@@ -37,7 +37,7 @@ WINGS = (
     ("model", ("sharding", "attention", "kv_cache", "model", "huggingface")),
     ("config", ("decode_options", "config")),
     ("training", ("objectives", "train_step", "checkpoints", "workdir")),
-    ("decoding", ("sources", "decode", "engine")),
+    ("decoding", ("sources", "acceptance", "decode_state", "decoder", "decode", "engine")),
     (
         "programs",
         (
