@@ -33,12 +33,18 @@ if _OWN_CACHE:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests import durations  # noqa: E402
 from tests.helpers import make_hf_model, save_hf  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 collect_ignore = ["multidevice"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Heaviest test files first (tests/durations.py): two loadfile workers end together."""
+    items[:] = durations.heaviest_first(items, durations.load())
 
 
 def pytest_unconfigure(config):
