@@ -76,7 +76,8 @@ def _rule(value) -> Rule | str:
     raise OptionError("rule", value, f"must be one of {names}")
 
 
-def _threshold(value) -> float | tuple[float, ...]:
+def check_threshold(value) -> float | tuple[float, ...]:
+    """``value`` (one threshold or several) as floats in (0, 1]; `OptionError` otherwise."""
     many = not isinstance(value, (str, int, float)) and getattr(value, "ndim", 1) != 0
     try:
         values = [
@@ -90,6 +91,28 @@ def _threshold(value) -> float | tuple[float, ...]:
     if many and not values:
         raise OptionError("threshold", value, "must list a threshold")
     return tuple(values) if many else values[0]
+
+
+def check_temperature(value) -> float:
+    """``value`` as a float >= 0 (0: greedy); `OptionError` otherwise (NaN too)."""
+    try:
+        temperature = float(value)
+    except (TypeError, ValueError):
+        raise OptionError("temperature", value, "must be >= 0 (0: greedy)") from None
+    if not temperature >= 0:  # NaN fails too
+        raise OptionError("temperature", value, "must be >= 0 (0: greedy)")
+    return temperature
+
+
+def check_top_p(value) -> float:
+    """``value`` as a float in (0, 1] (1: every token); `OptionError` otherwise."""
+    try:
+        top_p = float(value)
+    except (TypeError, ValueError):
+        top_p = float("nan")
+    if not 0 < top_p <= 1:
+        raise OptionError("top_p", value, "must lie in (0, 1] (1: every token)")
+    return top_p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,21 +154,9 @@ class DecodeOptions:
             if int(value) < low:
                 raise OptionError(name, value, f"must be >= {low}")
             set_(name, int(value))
-        set_("threshold", _threshold(self.threshold))
-        try:
-            temperature = float(self.temperature)
-        except (TypeError, ValueError):
-            raise OptionError("temperature", self.temperature, "must be >= 0 (0: greedy)") from None
-        if not temperature >= 0:  # NaN fails too
-            raise OptionError("temperature", self.temperature, "must be >= 0 (0: greedy)")
-        set_("temperature", temperature)
-        try:
-            top_p = float(self.top_p)
-        except (TypeError, ValueError):
-            top_p = float("nan")
-        if not 0 < top_p <= 1:
-            raise OptionError("top_p", self.top_p, "must lie in (0, 1] (1: every token)")
-        set_("top_p", top_p)
+        set_("threshold", check_threshold(self.threshold))
+        set_("temperature", check_temperature(self.temperature))
+        set_("top_p", check_top_p(self.top_p))
         set_("cache_mode", _enum(CacheMode, "cache_mode", self.cache_mode))
         set_("rule", _rule(self.rule))
         if self.max_accept_per_step is not None:

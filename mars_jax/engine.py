@@ -44,7 +44,14 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from mars_jax.decode_options import CacheMode, DecodeOptions, OptionError
+from mars_jax.decode_options import (
+    CacheMode,
+    DecodeOptions,
+    OptionError,
+    check_temperature,
+    check_threshold,
+    check_top_p,
+)
 from mars_jax.decode_state import DecoderSettings, DecodeState, RowSettings
 from mars_jax.decoder import Decoder
 from mars_jax.errors import InputError
@@ -277,25 +284,31 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
         """Raises `OptionError` (its ``field`` a `Request` field) for a request this engine
-        cannot decode; the threshold and temperature by `DecodeOptions`' rules."""
-        n = len(request.prompt_ids)
+        cannot decode: the one place a request's prompt and budget meet this engine's limits
+        and the model's context; the threshold, temperature and top_p by `DecodeOptions`' rules
+        (its validators: nothing is built to be thrown away). `submit` runs it."""
+        n, budget = len(request.prompt_ids), request.max_tokens
         if not 1 <= n <= self.max_prompt_len:
             raise _refused("prompt", f"{n} tokens", f"this engine takes 1 to {self.max_prompt_len}")
+        if n >= self.context:
+            raise _refused("prompt", f"{n} tokens", f"the model's context is {self.context}")
         if not all(0 <= t < self.vocab_size for t in request.prompt_ids):
             bad = next(t for t in request.prompt_ids if not 0 <= t < self.vocab_size)
             reason = f"is not a row of the model's {self.vocab_size}"
             raise OptionError("prompt", bad, reason, f"prompt: token id {bad} {reason}")
-        if not 1 <= request.max_tokens <= self.max_new_tokens:
-            raise _refused(
-                "max_tokens", request.max_tokens, f"this engine takes 1 to {self.max_new_tokens}"
+        if not 1 <= budget <= self.max_new_tokens:
+            raise _refused("max_tokens", budget, f"must lie in [1, {self.max_new_tokens}]")
+        if n + budget > self.context:
+            room = self.context - n
+            reason = (
+                f"the prompt ({n} tokens) and {budget} new tokens exceed the model's context of "
+                f"{self.context} tokens; at most {room} fit"
             )
-        if n + request.max_tokens > self.context:
-            reason = f"the prompt ({n}) and max_tokens exceed the model's context of {self.context}"
-            raise _refused("max_tokens", request.max_tokens, reason)
+            raise _refused("max_tokens", budget, reason)
         try:
-            self.options.replace(
-                threshold=request.threshold, temperature=request.temperature, top_p=request.top_p
-            )
+            check_threshold(request.threshold)
+            check_temperature(request.temperature)
+            check_top_p(request.top_p)
         except OptionError as e:
             raise _refused(e.field, e.value, e.reason) from None
         most = self.decoder.settings.logprobs

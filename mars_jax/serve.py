@@ -86,6 +86,8 @@ class Parsed:
     prompt_tokens: int
     stops: list[str]
     streaming: bool
+    kind: str = "completions"  # or "chat": the endpoint, which names the fields in errors
+    budget_field: str = "max_tokens"  # or "max_completion_tokens": the field that set the budget
 
 
 @dataclasses.dataclass
@@ -153,8 +155,7 @@ class Server:
                 f"n={req.choices}{each}: this server takes at most {self.max_waiting} choices",
                 "n",
             )
-        where = "prompt" if kind == "completions" else "messages"
-        budgets = [self._budget(req, kind, p, where) for p in ids]
+        budgets = [self._budget(req, kind, p) for p in ids]
         default = self.engine.options  # the server's flags
         settings = dict(
             threshold=default.threshold if req.threshold is None else req.threshold,
@@ -177,7 +178,8 @@ class Server:
                         tuple(p), max_tokens, seed=seed % (protocol.MAX_SEED + 1), **settings
                     )
                 )
-        return Parsed(requests, sum(map(len, ids)), req.stops, req.streaming)
+        _, budget_field = req.budget()
+        return Parsed(requests, sum(map(len, ids)), req.stops, req.streaming, kind, budget_field)
 
     def _prompt_ids(self, prompt: str | list[int], where: str) -> list[int]:
         """A completions prompt's ids: token ids taken as they are, text tokenized as is."""
@@ -187,34 +189,15 @@ class Server:
         before, after = self.special_tokens  # the chat template writes its own
         return before + self.tok.encode(prompt) + after
 
-    def _budget(self, req, kind: str, ids: list[int], where: str) -> int:
-        """New tokens for a prompt of ``ids``: the request's budget, checked against the server's
-        largest and the model's context, or the endpoint's default where it gives none."""
-        limit = self.engine.max_prompt_len
-        if len(ids) > limit:
-            raise RequestError(
-                f"{where}: the prompt is {len(ids)} tokens; this server takes at most {limit}",
-                where,
-            )
-        largest, context = self.engine.max_new_tokens, self.engine.context
-        room = context - len(ids)  # new tokens that fit in the model's context after the prompt
-        if room < 1:
-            raise RequestError(
-                f"{where}: the prompt is {len(ids)} tokens; the model's context is {context}",
-                where,
-            )
-        asked, field = req.budget()
-        if asked is None:  # as much as this endpoint's default, and as fits
-            return min(16 if kind == "completions" else largest, room)
-        if asked > largest:
-            raise RequestError(f"{field}={asked!r} must lie in [1, {largest}]", field)
-        if asked > room:
-            raise RequestError(
-                f"{field}={asked}: the prompt ({len(ids)} tokens) and {asked} new tokens exceed "
-                f"the model's context of {context} tokens; at most {room} fit",
-                field,
-            )
-        return asked
+    def _budget(self, req, kind: str, ids: list[int]) -> int:
+        """New tokens for a prompt of ``ids``: the request's budget as asked (the engine checks
+        it against its largest and the model's context, `engine.Engine.check`), or the
+        endpoint's default where it gives none, cut to what fits in the model's context."""
+        asked, _ = req.budget()
+        if asked is not None:
+            return asked
+        default = 16 if kind == "completions" else self.engine.max_new_tokens
+        return max(min(default, self.engine.context - len(ids)), 1)
 
     def _check_ids(self, ids: list[int], where: str = "prompt") -> list[int]:
         """A prompt of the tokenizer's ids, as the model's rows (a trimmed run maps them)."""
@@ -241,17 +224,32 @@ class Server:
             )
 
     # -- decoding ---------------------------------------------------------------------------------
-    async def decode(self, index: int, request: engine.Request, stops: list[str]):
-        """Yields the `Piece`s of choice ``index`` as its tokens are committed: one
-        `Detokenizer` per choice, so the work per update is that of its new tokens. A stop
-        string ends the choice at the token that completes it (its slot freed); the counts and
-        log-probabilities cover the tokens returned up to there, never what the same forward
-        accepted after. A failed or cancelled request raises `RequestError` (500, 503)."""
+    def start(self, parsed: Parsed) -> list[tuple[engine.Stream, asyncio.Queue]]:
+        """Submits every choice of ``parsed`` to the engine now, each with the queue its updates
+        arrive on; a choice the engine refuses (`engine.Engine.check`, once per choice) is a
+        `RequestError` naming the request's own field, and none of the choices stays queued."""
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
-        stream = self.engine.submit(
-            request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)
-        )
+        started = []
+        try:
+            for request in parsed.requests:
+                updates: asyncio.Queue = asyncio.Queue()
+                put = lambda u, q=updates: loop.call_soon_threadsafe(q.put_nowait, u)
+                started.append((self.engine.submit(request, put), updates))
+        except (InputError, engine.EngineFailed) as e:
+            for stream, _ in started:
+                stream.cancel()
+            if isinstance(e, engine.EngineFailed):
+                raise RequestError(str(e), None, 503) from None
+            raise _refusal(e, parsed) from None
+        return started
+
+    async def decode(self, index: int, stream: engine.Stream, updates: asyncio.Queue, stops):
+        """Yields the `Piece`s of choice ``index`` (its ``stream`` and ``updates``, `start`) as
+        its tokens are committed: one `Detokenizer` per choice, so the work per update is that
+        of its new tokens. A stop string ends the choice at the token that completes it (its
+        slot freed); the counts and log-probabilities cover the tokens returned up to there,
+        never what the same forward accepted after. A failed or cancelled request raises
+        `RequestError` (500, 503)."""
         text = Detokenizer(self.tok, stops)
         forwards = 0
         try:
@@ -282,22 +280,26 @@ class Server:
         finally:
             stream.cancel()  # the client went away, or the request ended: free the slot
 
-    async def choices(self, parsed: Parsed):
-        """Yields the `Piece`s of every choice of ``parsed`` as they come (each choice decoded
-        in a slot of its own); the first `RequestError` of any choice is raised, and leaving
-        early (a client gone) cancels them all."""
+    def choices(self, parsed: Parsed):
+        """The `Piece`s of every choice of ``parsed`` as they come (each choice decoded in a slot
+        of its own), an async iterator; the choices are submitted now (`start`: a refusal is
+        raised here, before any answer is sent). The first `RequestError` of any choice is
+        raised, and leaving early (a client gone) cancels them all."""
+        return self._pieces(parsed, self.start(parsed))
+
+    async def _pieces(self, parsed: Parsed, started):
         pieces: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index, request):
+        async def pump(index, stream, updates):
             try:
-                async for piece in self.decode(index, request, parsed.stops):
+                async for piece in self.decode(index, stream, updates, parsed.stops):
                     await pieces.put(piece)
             except RequestError as e:
                 await pieces.put(e)
             finally:
                 await pieces.put(None)
 
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(parsed.requests)]
+        tasks = [asyncio.create_task(pump(i, *s)) for i, s in enumerate(started)]
         try:
             running = len(tasks)
             while running:
@@ -429,17 +431,6 @@ def build_app(server: Server) -> web.Application:
                 return error_response("the server is shutting down", 503)
             try:
                 parsed = server.parse(await request.read(), kind)
-                try:
-                    for req in parsed.requests:
-                        server.engine.check(req)
-                except InputError as e:
-                    field, message = getattr(e, "field", None), str(e)
-                    if field == "prompt" and kind == "chat":
-                        field = "messages"
-                    elif field == "logprobs" and kind == "chat":  # chat counts in top_logprobs
-                        field = "top_logprobs" if e.value else "logprobs"
-                        message = f"{field}: {e.value}; {e.reason}"
-                    raise RequestError(message, field) from None
                 if server.engine.waiting + len(parsed.requests) > server.max_waiting:
                     raise RequestError(
                         "the server is busy: too many requests wait for a slot", None, 429
@@ -569,6 +560,23 @@ def _body(kind, model, rid, choices: list[dict], usage, *, delta=False) -> dict:
 
 
 _CHOICE = ("index", "text", "finish_reason", "logprobs")
+
+
+def _refusal(error: InputError, parsed: Parsed) -> RequestError:
+    """The engine's refusal of a choice (`engine.Engine.check`) as the 400 of the request's own
+    field: a chat's prompt is its ``messages``, its log-probabilities ``top_logprobs``, the
+    budget the field that set it."""
+    field, message = getattr(error, "field", None), str(error)
+    if field == "prompt" and parsed.kind == "chat":
+        field = "messages"
+        message = f"{field}: {message.removeprefix('prompt: ')}"
+    elif field == "logprobs" and parsed.kind == "chat":  # chat counts in top_logprobs
+        field = "top_logprobs" if error.value else "logprobs"
+        message = f"{field}: {error.value}; {error.reason}"
+    elif field == "max_tokens" and parsed.budget_field != field:
+        field = parsed.budget_field
+        message = f"{field}: {error.value}; {error.reason}"
+    return RequestError(message, field)
 
 
 async def _stream(request, kind, server, parsed: Parsed, pieces) -> web.StreamResponse:

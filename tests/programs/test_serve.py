@@ -1000,3 +1000,30 @@ def test_lm_eval_local_completions_runs_with_its_defaults(live, tok, tmp_path):
             {"prompt": context, "max_tokens": 6, "temperature": 0, "stop": until},
         )
         assert status == 200 and answer == own["choices"][0]["text"]
+
+
+def test_each_choice_is_checked_once_and_nothing_is_built_to_be_thrown_away(live, monkeypatch):
+    """A request of n choices meets `Engine.check` once per choice (in `submit`), and no
+    `DecodeOptions` is built while it is parsed, checked and decoded."""
+    from mars_jax import decode_options
+
+    server, running = live
+    checked, built = [], []
+    check = server.engine.check
+    monkeypatch.setattr(server.engine, "check", lambda r: checked.append(r) or check(r))
+    post_init = decode_options.DecodeOptions.__post_init__
+    monkeypatch.setattr(
+        decode_options.DecodeOptions, "__post_init__", lambda o: built.append(o) or post_init(o)
+    )
+    status, body = post(running, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2})
+    assert status == 200 and len(body["choices"]) == 2, body
+    assert len(checked) == 2 and checked[0].prompt_ids == checked[1].prompt_ids
+    assert built == []
+    # A refused choice is refused before anything is sent, naming the request's own field.
+    status, body = post(
+        running,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
+    )
+    assert status == 400 and body["error"]["param"] == "max_completion_tokens", body
+    assert body["error"]["message"].startswith("max_completion_tokens: 1000000; must lie in"), body
