@@ -22,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 
-from mars_jax import serve, sources, train
+from mars_jax import openai_adapter, serve, sources, train
 from mars_jax.tokenizer import load_tokenizer
 from tests.decode_oracles import make_model, qwen_engine, qwen_generate
 from tests.decoding.test_engine import FaultyDecoder, wait_until
@@ -224,13 +224,13 @@ def test_text_offsets_count_characters_of_the_text(tok):
     pieces = [tok.token_bytes(t) for t in ids]
     assert b"".join(pieces).decode() == text
     assert any(p.decode("utf-8", errors="replace") != p.decode("utf-8", "ignore") for p in pieces)
-    offsets = serve.TextOffsets().of(pieces)
+    offsets = openai_adapter.TextOffsets().of(pieces)
     for k, offset in enumerate(offsets):
         # The longest prefix of the text whose bytes the first k tokens hold.
         held = b"".join(pieces[:k])
         assert offset == max(c for c in range(len(text) + 1) if held.startswith(text[:c].encode()))
     # Streamed in chunks, the offsets run on.
-    stream = serve.TextOffsets()
+    stream = openai_adapter.TextOffsets()
     assert stream.of(pieces[:3]) + stream.of(pieces[3:]) == offsets
     assert stream.chars == len(text)
 

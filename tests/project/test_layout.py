@@ -50,6 +50,7 @@ WINGS = (
             "export",
             "lm_eval_adapter",
             "serve_metrics",
+            "openai_adapter",
             "serve",
         ),
     ),
