@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mars_jax.model import ModelConfig, Qwen2, abstract_model
+from mars_jax.model import CausalLM, ModelConfig, abstract_model
 
 _START = time.perf_counter()
 
@@ -26,7 +26,7 @@ def progress(message: str) -> None:
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> tuple[object, nnx.State]:
-    """(graphdef, parameters) of a random `Qwen2` of ``cfg``, placed by ``shardings`` if given.
+    """(graphdef, parameters) of a random `CausalLM` of ``cfg``, placed by ``shardings`` if given.
 
     One decoder layer is initialised (the model's own init, in one jitted program) and its
     values repeated across the ``layers`` axis: every layer holds the same random values, which
@@ -36,7 +36,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> tuple[obje
     measures anything."""
     graphdef, abstract = nnx.split(abstract_model(cfg))
     one = dataclasses.replace(cfg, num_layers=1)
-    single = jax.jit(lambda: nnx.split(Qwen2(one, rngs=nnx.Rngs(seed)))[1])()
+    single = jax.jit(lambda: nnx.split(CausalLM(one, rngs=nnx.Rngs(seed)))[1])()
 
     def widen(target, value):
         if target.shape == value.shape:

@@ -504,7 +504,7 @@ def compile_reads(cfg, devices, *, rows, slots, windows, reads, emit) -> list[di
 
 def time_writes_cpu(cfg, *, rows, slots, window, writes, forwards, repeats, seed=0) -> dict:
     """ms per cached forward on the local CPU for each write scheme (module docstring)."""
-    model = model_lib.Qwen2(cfg, rngs=nnx.Rngs(seed))
+    model = model_lib.CausalLM(cfg, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(seed)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, window)), jnp.int32)

@@ -98,7 +98,7 @@ from mars_jax import cli, decode, huggingface, sources
 from mars_jax import config as config_lib
 from mars_jax.batches import eval_examples, eval_source
 from mars_jax.kv_cache import init_cache
-from mars_jax.model import Qwen2
+from mars_jax.model import CausalLM
 from mars_jax.tokenizer import ENDOFTEXT_ID, MASK_ID
 
 MODELS = ("trained", "qwen0_5b_shape", "qwen7b_shape", "tiny_shape")
@@ -137,7 +137,7 @@ KEYS = (
 class Subject:
     """One model to benchmark with every decoder.
 
-    model: our `Qwen2`; hf: the same weights as a transformers ``Qwen2ForCausalLM`` (float32).
+    model: our `CausalLM`; hf: the same weights as a transformers ``Qwen2ForCausalLM`` (float32).
     prompts: token-id lists; a batch size b decodes the first ``b * ceil(min_prompts / b)``
       (a whole number of full batches: no filler rows), so every decoder at b sees the same ones.
     block_size: MARS block size; max_new_tokens: completion budget per row (tokens).
@@ -150,7 +150,7 @@ class Subject:
     """
 
     name: str
-    model: Qwen2
+    model: CausalLM
     hf: object
     prompts: list[list[int]]
     block_size: int
@@ -167,7 +167,7 @@ class Subject:
         return self.prompts[: batch * math.ceil(self.min_prompts / batch)]
 
 
-def load_transformers(model: Qwen2, *, eos_ids: Sequence[int], pad_id: int):
+def load_transformers(model: CausalLM, *, eos_ids: Sequence[int], pad_id: int):
     """``model``'s weights exported (`huggingface.export_hf`) and loaded as a transformers
     ``Qwen2ForCausalLM`` in the model's compute dtype (on the GPU where torch has one) whose
     generation config is greedy, cached, stops at ``eos_ids`` (never when empty) and pads with
@@ -189,7 +189,7 @@ def load_transformers(model: Qwen2, *, eos_ids: Sequence[int], pad_id: int):
 
 def make_subject(
     name: str,
-    model: Qwen2,
+    model: CausalLM,
     prompts,
     *,
     eos_ids: Sequence[int],

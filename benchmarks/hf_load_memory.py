@@ -69,9 +69,9 @@ def build(path: str) -> None:
     from flax import nnx
 
     from mars_jax import huggingface
-    from mars_jax.model import Qwen2
+    from mars_jax.model import CausalLM
 
-    model = nnx.jit(lambda: Qwen2(_model_config("bfloat16"), rngs=nnx.Rngs(0)))()
+    model = nnx.jit(lambda: CausalLM(_model_config("bfloat16"), rngs=nnx.Rngs(0)))()
     jax.block_until_ready(nnx.state(model))
     huggingface.export_hf(model, path, max_shard_bytes=_SHARD_BYTES)
 

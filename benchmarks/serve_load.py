@@ -78,10 +78,10 @@ def load_model():
     from flax import nnx
 
     from mars_jax import config as config_lib
-    from mars_jax.model import ModelConfig, Qwen2
+    from mars_jax.model import CausalLM, ModelConfig
 
     cfg = config_lib.defaults("mars")  # configs/tiny.py
-    model = Qwen2(ModelConfig(**cfg.model), rngs=nnx.Rngs(0))
+    model = CausalLM(ModelConfig(**cfg.model), rngs=nnx.Rngs(0))
     return model, load_tokenizer(None), int(cfg.objective.block_size), "tiny"
 
 

@@ -78,7 +78,7 @@ from mars_jax.decode_options import CACHE_MODES, RULES, DecodeOptions
 from mars_jax.decode_state import DecodeResult, DecoderSettings, RowSettings, mask_id_for
 from mars_jax.decoder import Decoder
 from mars_jax.errors import InputError
-from mars_jax.model import Qwen2
+from mars_jax.model import CausalLM
 
 __all__ = ["CACHE_MODES", "RULES", "DecodeOptions"]  # re-exported with the host API
 
@@ -152,7 +152,7 @@ def _generate(
 
 
 def generate(
-    model: Qwen2,
+    model: CausalLM,
     prompt_ids: np.ndarray,
     prompt_lengths: np.ndarray,
     options: DecodeOptions | None = None,
@@ -172,7 +172,7 @@ def generate(
     rule, temperature, max_accept, adaptive_window); the fields are explained there and below.
 
     Args:
-      model: a `Qwen2` (MARS-trained, or any AR model with threshold 1.0).
+      model: a `CausalLM` (MARS-trained, or any AR model with threshold 1.0).
       prompt_ids: int [R, P] prompts, right-padded with any id; which tokens are valid comes only
         from ``prompt_lengths`` (a prompt may itself contain <|endoftext|>).
       prompt_lengths: int [R], each in 1..P. There is no context limit here: RoPE positions
@@ -271,7 +271,7 @@ def generate(
 
 
 def generate_batched(
-    model: Qwen2,
+    model: CausalLM,
     prompts: Sequence[Sequence[int]],
     options: DecodeOptions | None = None,
     *,

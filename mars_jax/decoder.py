@@ -23,7 +23,7 @@ from mars_jax import acceptance
 from mars_jax.decode_state import DecodeResult, DecoderSettings, DecodeState, NewTokens, RowSettings
 from mars_jax.errors import InputError
 from mars_jax.kv_cache import init_cache, read_window, write_window
-from mars_jax.model import Qwen2, causal_mask
+from mars_jax.model import CausalLM, causal_mask
 from mars_jax.sharding import with_logical_constraint
 
 
@@ -305,7 +305,7 @@ class Decoder:
             logits = logits + jnp.where(s.row_settings.temperature[:, None, None] > 0, by_row, 0.0)
         return acceptance.argmax(logits)
 
-    def _forward(self, model: Qwen2, ids, start, cache):
+    def _forward(self, model: CausalLM, ids, start, cache):
         """ids [R, W] at positions start[r] + 0..W-1 against the cache (written first), or a
         full causal forward from position 0 without a cache. Returns (hidden [R, W, D], cache)."""
         pos = start[:, None] + jnp.arange(ids.shape[1])

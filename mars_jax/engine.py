@@ -55,7 +55,7 @@ from mars_jax.decode_options import (
 from mars_jax.decode_state import DecoderSettings, DecodeState, RowSettings
 from mars_jax.decoder import Decoder
 from mars_jax.errors import InputError
-from mars_jax.model import Qwen2
+from mars_jax.model import CausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +187,7 @@ class Engine:
     """``slots`` rows of continuous batching with one model (see the module docstring).
 
     Args:
-      model: a `Qwen2` (placed on its mesh, if any).
+      model: a `CausalLM` (placed on its mesh, if any).
       options: the engine's `DecodeOptions`: block_size, cache_mode (not block) and rule;
         max_new_tokens is the largest budget of one request, threshold and temperature the
         defaults a server gives its requests. Each request brings its own threshold,
@@ -211,7 +211,7 @@ class Engine:
 
     def __init__(
         self,
-        model: Qwen2,
+        model: CausalLM,
         options: DecodeOptions,
         *,
         slots: int,

@@ -1,4 +1,4 @@
-"""Hugging Face interop: Qwen2 checkpoints (safetensors) and config.json in and out.
+"""Hugging Face interop: CausalLM checkpoints (safetensors) and config.json in and out.
 
 A Hugging Face directory holds ``config.json`` and either ``model.safetensors`` or sharded
 ``*.safetensors`` files listed in ``model.safetensors.index.json`` (the layout written by
@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 
 from mars_jax import storage
 from mars_jax.errors import AlreadyExists, InputError, NotFound
-from mars_jax.model import ROPE_TYPES, ModelConfig, Qwen2, abstract_model
+from mars_jax.model import ROPE_TYPES, CausalLM, ModelConfig, abstract_model
 
 _SUPPORTED_ACT = "silu"
 # config.json model types -> `ModelConfig.family`: transformers' own, and the names under which
@@ -537,8 +537,8 @@ def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "flo
     return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=source)
 
 
-def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32") -> Qwen2:
-    """Loads a HF Qwen2/Qwen2.5 checkpoint directory into a single-host `Qwen2` model.
+def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32") -> CausalLM:
+    """Loads a HF Qwen2/Qwen2.5 checkpoint directory into a single-host `CausalLM` model.
 
     Raises as `read_hf_config` and `load_hf_state`."""
     cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype)
@@ -548,7 +548,7 @@ def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32") 
 
 
 def export_hf(
-    model: Qwen2,
+    model: CausalLM,
     path: str,
     *,
     max_shard_bytes: int = 4 << 30,

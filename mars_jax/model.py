@@ -254,8 +254,9 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
-class Qwen2(nnx.Module):
-    """Qwen2/Qwen2.5 causal LM (transformers' Qwen2ForCausalLM, without its generation utilities).
+class CausalLM(nnx.Module):
+    """The decoder-only causal LM of every family here (Qwen2/Qwen2.5, Qwen3, Llama 3:
+    ``cfg.family``): transformers' ``*ForCausalLM`` without its generation utilities.
 
     Call ``model(input_ids, positions, mask)`` for final hidden states and ``model.logits(h)`` for
     fp32 logits, so callers can project only the positions they need onto the vocabulary.
@@ -375,15 +376,15 @@ def _stacked(layers: list[DecoderLayer]) -> DecoderLayer:
     return nnx.merge(graphdef, stacked)
 
 
-def abstract_model(cfg: ModelConfig) -> Qwen2:
-    """The shape-only `Qwen2` of ``cfg``: every parameter a ``jax.ShapeDtypeStruct`` carrying its
+def abstract_model(cfg: ModelConfig) -> CausalLM:
+    """The shape-only `CausalLM` of ``cfg``: every parameter a ``jax.ShapeDtypeStruct`` carrying its
     partitioning metadata; nothing is allocated. Split it with ``nnx.split`` for the graphdef
     and the abstract parameter State."""
-    return nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh, rules: Rules):
-    """(graphdef, abstract parameter State) of the `Qwen2` of ``cfg`` placed on ``mesh``: each
+    """(graphdef, abstract parameter State) of the `CausalLM` of ``cfg`` placed on ``mesh``: each
     leaf a ``jax.ShapeDtypeStruct`` with its NamedSharding under ``rules``; nothing allocated.
 
     Raises ValueError as `mars_jax.sharding.check_heads` and

@@ -31,7 +31,7 @@ import numpy as np
 from mars_jax import config
 from mars_jax.attention import Segmented
 from mars_jax.common_types import IGNORE_INDEX
-from mars_jax.model import Qwen2, causal_mask
+from mars_jax.model import CausalLM, causal_mask
 
 # The batch key holding the per-row weights of "inverse_t" (float32 [R]; see `noisy_row_weights`).
 NOISY_WEIGHT = "noisy_weight"
@@ -126,7 +126,7 @@ def noisy_row_weights(seed: int, batch_index: int, batch_size: int) -> np.ndarra
     return (1.0 / (t + 1e-6)).astype(np.float32)
 
 
-def token_nll(model: Qwen2, h: jax.Array, targets: jax.Array, chunk_size: int = 0) -> jax.Array:
+def token_nll(model: CausalLM, h: jax.Array, targets: jax.Array, chunk_size: int = 0) -> jax.Array:
     """-log p(target) under ``model.logits(h)``: fp32 [R, M] for hidden states h [R, M, D] and
     targets int32 [R, M].
 
@@ -153,7 +153,7 @@ def token_nll(model: Qwen2, h: jax.Array, targets: jax.Array, chunk_size: int = 
 
 
 def cross_entropy(
-    model: Qwen2,
+    model: CausalLM,
     hidden: jax.Array,
     positions,
     targets,
@@ -191,7 +191,7 @@ def cross_entropy(
     raise ValueError(f"normalization must be one of {config.NORMALIZATIONS}, got {normalization!r}")
 
 
-def ar_loss(model: Qwen2, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
+def ar_loss(model: CausalLM, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
     """Next-token SFT loss on the labelled tokens of ``batch`` ({input_ids, labels} int32 [R, L]).
 
     Reads ``obj``'s normalization, max_label_tokens and ce_chunk_size (`token_nll`). Returns
@@ -226,7 +226,7 @@ def _at(segment_ids, positions):
     return None if segment_ids is None else jnp.take_along_axis(segment_ids, positions, axis=1)
 
 
-def mars_loss(model: Qwen2, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
+def mars_loss(model: CausalLM, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
     """MARS loss CE(noisy) + ar_weight * CE(clean) (Sec. 3); reads ``obj``'s block_size,
     ar_weight, normalization, max_label_tokens, ce_chunk_size, mask_id and noisy_weighting.
     L must be a multiple of block_size.
@@ -270,7 +270,7 @@ def mars_loss(model: Qwen2, batch: dict[str, jax.Array], obj: config.ObjectiveCo
 OBJECTIVES = {"ar": ar_loss, "mars": mars_loss}
 
 
-def loss_fn(model: Qwen2, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
+def loss_fn(model: CausalLM, batch: dict[str, jax.Array], obj: config.ObjectiveConfig):
     """Dispatches on ``obj.name`` ("ar" or "mars"; `config.ObjectiveConfig` checks its values
     when it is built); returns (scalar loss, metrics dict)."""
     return OBJECTIVES[obj.name](model, batch, obj)

@@ -65,8 +65,8 @@ from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.errors import InputError, SettingError
 from mars_jax.metrics import MetricsWriter
 from mars_jax.model import (
+    CausalLM,
     ModelConfig,
-    Qwen2,
     abstract_params,
     add_vocab_rows,
     grown_vocab_size,
@@ -160,7 +160,7 @@ def initial_params(
     if init is None:
         shardings = sharding.shardings_of(abstract)
         init_random = jax.jit(
-            lambda: nnx.state(Qwen2(model_cfg, rngs=nnx.Rngs(cfg.seed))), out_shardings=shardings
+            lambda: nnx.state(CausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed))), out_shardings=shardings
         )
         return init_random()
     if init == "run":

@@ -18,7 +18,7 @@ from flax import nnx
 from mars_jax import decode, engine
 from mars_jax.decode_options import DecodeOptions
 from mars_jax.decode_state import DecoderSettings
-from mars_jax.model import ModelConfig, Qwen2, causal_mask
+from mars_jax.model import CausalLM, ModelConfig, causal_mask
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID
 
 VOCAB = 151680  # covers 151643..151665 (<|endoftext|> .. <|mask|>)
@@ -37,8 +37,8 @@ CFG = ModelConfig(
 )
 
 
-def make_model(scale: float, seed: int = 0) -> Qwen2:
-    model = Qwen2(CFG, rngs=nnx.Rngs(seed))
+def make_model(scale: float, seed: int = 0) -> CausalLM:
+    model = CausalLM(CFG, rngs=nnx.Rngs(seed))
     model.norm.weight[...] = model.norm.weight[...] * scale
     return model
 

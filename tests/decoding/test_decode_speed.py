@@ -13,13 +13,13 @@ import pytest
 from flax import nnx
 
 from benchmarks import decode_speed as ds
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import CausalLM, ModelConfig
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, ENDOFTEXT_ID, IM_END_ID, MASK_ID
 from tests.decode_oracles import CFG, qwen_generate_batched
 
 
-def make_model(scale: float = 300.0, **overrides) -> Qwen2:
-    model = Qwen2(ModelConfig(**{**CFG.__dict__, **overrides}), rngs=nnx.Rngs(0))
+def make_model(scale: float = 300.0, **overrides) -> CausalLM:
+    model = CausalLM(ModelConfig(**{**CFG.__dict__, **overrides}), rngs=nnx.Rngs(0))
     model.norm.weight[...] = model.norm.weight[...] * scale
     return model
 

@@ -17,7 +17,7 @@ from flax import nnx
 from mars_jax import decode, engine
 from mars_jax.decode_state import RowSettings
 from mars_jax.errors import InputError
-from mars_jax.model import Qwen2
+from mars_jax.model import CausalLM
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, IM_END_ID
 from tests.decode_oracles import (
     CFG,
@@ -303,7 +303,7 @@ def test_a_trimmed_vocabulary_pads_with_its_own_id():
     """A model of 128 embedding rows (a trimmed run's): the engine pads prompts and empty rows
     with the tokenizer's pad id, never Qwen's 151643 (no row: the gather gave NaN keys, and
     every completion turned to garbage), and refuses ids outside the embedding by field."""
-    small = Qwen2(dataclasses.replace(CFG, vocab_size=128), rngs=nnx.Rngs(3))
+    small = CausalLM(dataclasses.replace(CFG, vocab_size=128), rngs=nnx.Rngs(3))
     small.norm.weight[...] = small.norm.weight[...] * 300.0
     kw = dict(slots=2, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, eos_ids=(1,))
     eng = qwen_engine(small, pad_id=0, mask_id=127, prefill_chunk=5, **kw)

@@ -12,7 +12,7 @@ from flax import nnx
 from mars_jax import attention
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig
-from mars_jax.model import ModelConfig, Qwen2, causal_mask
+from mars_jax.model import CausalLM, ModelConfig, causal_mask
 from mars_jax.objectives import mars_attention_mask, mars_loss
 
 BLOCK = 4
@@ -85,13 +85,13 @@ def mars_batch(seed=0, rows=3, length=2 * 64):
 def reference():
     """MARS loss and gradients of the plain model: dense attention, no remat, layers unrolled
     one after another."""
-    params = nnx.state(Qwen2(CFG, rngs=nnx.Rngs(0)))
+    params = nnx.state(CausalLM(CFG, rngs=nnx.Rngs(0)))
     return params, _mars_value_and_grad(params, remat="none", scan_layers=False, attention="xla")
 
 
 def _mars_value_and_grad(params, **execution):
     cfg = ModelConfig(**{**CFG.__dict__, **execution})
-    graphdef = nnx.graphdef(Qwen2(cfg, rngs=nnx.Rngs(0)))
+    graphdef = nnx.graphdef(CausalLM(cfg, rngs=nnx.Rngs(0)))
     obj = ObjectiveConfig(
         name="mars",
         block_size=BLOCK,

@@ -10,7 +10,7 @@ from mars_jax import attention, sharding
 from mars_jax import model as model_lib
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import CausalLM, ModelConfig
 from mars_jax.objectives import mars_loss
 
 CFG = ModelConfig(
@@ -36,7 +36,7 @@ def test_splash_under_a_mesh_matches_dense(monkeypatch):
     ids = rng.integers(0, 120, (4, 64)).astype(np.int32)
     labels = np.where(np.arange(64)[None] >= 20, ids, IGNORE_INDEX).astype(np.int32)
     obj = OBJ
-    host = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
+    host = jax.device_get(nnx.state(CausalLM(cfg, rngs=nnx.Rngs(0))))
     mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
     rules = sharding.logical_rules()
     result = {}
@@ -88,8 +88,8 @@ def test_packed_splash_under_a_mesh_matches_the_rows_unpacked(monkeypatch):
         batch.pop("row_ids")
         return batch
 
-    host = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
-    graphdef = nnx.graphdef(Qwen2(cfg, rngs=nnx.Rngs(0)))
+    host = jax.device_get(nnx.state(CausalLM(cfg, rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(CausalLM(cfg, rngs=nnx.Rngs(0)))
     unpacked = [rows[r] for s in sequences for r in s.rows]  # the rows the packed batch holds
     ref_loss, ref_grads = jax.jit(
         jax.value_and_grad(lambda p, b: mars_loss(nnx.merge(graphdef, p), b, obj)[0])

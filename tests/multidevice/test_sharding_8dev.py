@@ -15,7 +15,7 @@ from mars_jax import sharding
 from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import CausalLM, ModelConfig
 from mars_jax.objectives import loss_fn
 from mars_jax.train_step import build_train_step, optimizer
 from tests.helpers import tiny_config
@@ -70,7 +70,7 @@ def compute():
         for p, x in jax.tree_util.tree_leaves_with_path(abstract)
     }
     # flax's own tooling reads the same placement from the parameters' metadata.
-    state = nnx.state(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
+    state = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
     with nnx.logical_axis_rules(rules):
         flax_specs = nnx.get_partition_spec(state)
     out["flax_specs"] = {
@@ -129,7 +129,7 @@ def compute():
         data__packing=False,
     )
 
-    host_params = jax.device_get(nnx.state(Qwen2(cfg, rngs=nnx.Rngs(0))))
+    host_params = jax.device_get(nnx.state(CausalLM(cfg, rngs=nnx.Rngs(0))))
 
     def train(mesh, steps=3):
         graphdef, abstract = model_lib.abstract_params(cfg, mesh, rules)
@@ -236,7 +236,7 @@ def compute():
         ("hidden", dict(hidden_size=30, num_heads=2, num_kv_heads=2, head_dim=8)),
     ]:
         bad_cfg = ModelConfig(**{**cfg.__dict__, **bad})
-        state = nnx.state(nnx.eval_shape(lambda: Qwen2(bad_cfg, rngs=nnx.Rngs(0))))
+        state = nnx.state(nnx.eval_shape(lambda: CausalLM(bad_cfg, rngs=nnx.Rngs(0))))
         out["divisible_error_" + name] = error(
             lambda: sharding.param_shardings(state, mesh_142, rules)
         )
@@ -249,7 +249,7 @@ def compute():
     out["rules_error"] = error(lambda: sharding.logical_rules({"embed": ("model",)}))
     twice = sharding.logical_rules({**sharding.DEFAULT_RULES, "embed": ("fsdp", "tensor")})
     out["twice_error"] = error(lambda: model_lib.abstract_params(cfg, mesh8, twice))
-    ok_state = nnx.state(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
+    ok_state = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
     out["divisible_ok"] = error(lambda: sharding.param_shardings(ok_state, mesh_142, rules))
     return json.loads(json.dumps(out))  # as the tests read it: tuples as lists
 

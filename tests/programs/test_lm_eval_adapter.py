@@ -24,7 +24,7 @@ from mars_jax import huggingface, sharding, vocab
 from mars_jax import workdir as wd
 from mars_jax.checkpoints import Checkpoints, TrainState
 from mars_jax.lm_eval_adapter import MarsLM
-from mars_jax.model import Qwen2
+from mars_jax.model import CausalLM
 from mars_jax.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, load_tokenizer
 from tests.decode_oracles import (
     CFG,
@@ -226,7 +226,7 @@ def test_a_trimmed_run_decodes_in_its_ids_and_stops_at_its_eos(tmp_path):
 
     # A random model whose greedy text runs past 3 tokens (small vocabularies often stop early).
     for seed in range(20):
-        model = Qwen2(dataclasses.replace(CFG, vocab_size=len(kept)), rngs=nnx.Rngs(seed))
+        model = CausalLM(dataclasses.replace(CFG, vocab_size=len(kept)), rngs=nnx.Rngs(seed))
         model.norm.weight[...] = model.norm.weight[...] * 300.0
         if len(plain := greedy(model)) > 3:
             break

@@ -27,7 +27,7 @@ from mars_jax.checkpoints import Checkpoints
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig
 from mars_jax.errors import InputError
-from mars_jax.model import ModelConfig, Qwen2, causal_mask
+from mars_jax.model import CausalLM, ModelConfig, causal_mask
 from mars_jax.tokenizer import IM_END_ID, MASK_ID, load_tokenizer
 from tests.decode_oracles import qwen_generate
 from tests.helpers import complete, python_env, run_python
@@ -667,7 +667,7 @@ def test_grad_accumulation_equals_whole_batch():
     for row, start in enumerate([2, 12, 5, 14]):  # 14, 4, 11 and 2 labelled tokens
         labels[row, start:] = ids[row, start:]
     batch = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
-    graphdef, params = nnx.split(Qwen2(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(CausalLM(model_cfg, rngs=nnx.Rngs(0)))
     for norm in ("token", "sequence"):
         obj = ObjectiveConfig(
             name="ar",

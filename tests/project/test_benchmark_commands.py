@@ -247,13 +247,13 @@ def test_random_params_repeat_one_layer_of_the_models_own_init():
     from flax import nnx
 
     from benchmarks import common
-    from mars_jax.model import ModelConfig, Qwen2, abstract_model
+    from mars_jax.model import CausalLM, ModelConfig, abstract_model
 
     cfg = ModelConfig(**tiny_config().model)
     assert cfg.num_layers > 1
     graphdef, params = common.random_params(cfg, seed=3)
     _, abstract = nnx.split(abstract_model(cfg))
-    _, one = nnx.split(Qwen2(dataclasses.replace(cfg, num_layers=1), rngs=nnx.Rngs(3)))
+    _, one = nnx.split(CausalLM(dataclasses.replace(cfg, num_layers=1), rngs=nnx.Rngs(3)))
     assert jax.tree.structure(params) == jax.tree.structure(abstract)
     for p, a, o in zip(*map(jax.tree.leaves, (params, abstract, one))):
         assert (p.shape, p.dtype) == (a.shape, a.dtype)

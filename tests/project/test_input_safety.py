@@ -27,7 +27,7 @@ from ml_collections import config_flags
 from mars_jax import chat_rows, huggingface, sharding
 from mars_jax import tokenizer as T
 from mars_jax.batches import build_examples
-from mars_jax.model import ModelConfig, Qwen2, abstract_params
+from mars_jax.model import CausalLM, ModelConfig, abstract_params
 from mars_jax.rows import read_rows
 from tests.helpers import make_hf_model, run_python
 
@@ -161,7 +161,7 @@ def test_the_conversion_command_in_the_message_converts_a_pytorch_checkpoint(tmp
 def test_a_checkpoints_auto_map_code_is_not_run(tmp_path, caplog):
     marker = tmp_path / "imported"
     ckpt = tmp_path / "ckpt"
-    model = Qwen2(TINY, rngs=nnx.Rngs(1))
+    model = CausalLM(TINY, rngs=nnx.Rngs(1))
     huggingface.export_hf(model, str(ckpt))
     _touch_module(ckpt / "modeling_evil.py", marker)
     config = json.loads((ckpt / "config.json").read_text())

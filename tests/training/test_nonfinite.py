@@ -18,7 +18,7 @@ from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import CausalLM, ModelConfig
 from mars_jax.rows import load_rows
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 from tests.helpers import complete, python_env, run_python, tiny_config
@@ -67,7 +67,7 @@ def test_step_skips_a_nonfinite_update_and_keeps_the_state_bitwise(case, monkeyp
         head_dim=8,
         tie_word_embeddings=False,
     )
-    graphdef, params = nnx.split(Qwen2(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
     if case == "forward":  # an infinite embedding row: RMSNorm gives inf * 0 = NaN in its row
         embedding = params["embed_tokens"]["embedding"]
         embedding[...] = embedding[...].at[BAD].set(jnp.inf)

@@ -15,7 +15,7 @@ from mars_jax import attention, packing, train_step
 from mars_jax.batches import Example, batched_dataset
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.config import ObjectiveConfig
-from mars_jax.model import ModelConfig, Qwen2
+from mars_jax.model import CausalLM, ModelConfig
 from mars_jax.objectives import loss_fn, mars_attention_mask, mars_loss, target_positions
 
 V, B, L = 128, 4, 128
@@ -137,14 +137,14 @@ def test_no_target_crosses_a_row_boundary():
 
 @pytest.fixture(scope="module")
 def params():
-    return nnx.state(Qwen2(CFG, rngs=nnx.Rngs(0)))
+    return nnx.state(CausalLM(CFG, rngs=nnx.Rngs(0)))
 
 
 def value_and_grad(params, batch, objective, implementation="xla"):
     import dataclasses
 
     cfg = dataclasses.replace(CFG, attention=implementation)
-    graphdef = nnx.graphdef(Qwen2(cfg, rngs=nnx.Rngs(0)))
+    graphdef = nnx.graphdef(CausalLM(cfg, rngs=nnx.Rngs(0)))
     loss = lambda p, b: loss_fn(nnx.merge(graphdef, p), b, objective)[0]
     return jax.jit(jax.value_and_grad(loss))(params, batch)
 
@@ -194,7 +194,7 @@ def test_packed_accumulated_step_equals_the_rows_unpacked(params, name):
     kept = sorted(r for s in sequences for r in s.rows)
     packed, unpacked = batches([examples[r] for r in kept], sequences)
     objective = obj(name)
-    graphdef = nnx.graphdef(Qwen2(CFG, rngs=nnx.Rngs(0)))
+    graphdef = nnx.graphdef(CausalLM(CFG, rngs=nnx.Rngs(0)))
     sgd = optax.sgd(1.0)
     out = {}
     for key, batch, accum in (("packed", packed, 2), ("unpacked", unpacked, 1)):
