@@ -28,11 +28,6 @@ def flat():
 
 
 @pytest.fixture(scope="module")
-def mid():
-    return make_model(300.0)
-
-
-@pytest.fixture(scope="module")
 def peaked():
     return make_model(1000.0)
 

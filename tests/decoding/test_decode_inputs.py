@@ -10,18 +10,12 @@ from tests.decode_oracles import (
     MAX_NEW,
     Uncached,
     make_batch,
-    make_model,
     qwen_generate,
     reference_mars,
     swap_head_columns,
 )
 
 KW = dict(block_size=4, threshold=0.9)
-
-
-@pytest.fixture(scope="module")
-def mid():
-    return make_model(300.0)
 
 
 def test_an_empty_prompt_is_refused_naming_its_row(mid):

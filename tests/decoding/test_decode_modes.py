@@ -19,11 +19,6 @@ from tests.decode_oracles import (
 
 
 @pytest.fixture(scope="module")
-def mid():
-    return make_model(300.0)
-
-
-@pytest.fixture(scope="module")
 def drafty():
     """A model whose predictions depend little on the current input token (token embeddings
     shrunk towards their mean), so a prediction made at a mask often equals the AR one: MARS
