@@ -310,10 +310,22 @@ def train(cfg, workdir: str) -> dict:
         return _train(cfg, workdir, preemption, stack)
 
 
-def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitStack) -> dict:
-    """`train` after the settings checks, with ``preemption``'s signal handlers installed; the
-    run lock goes on ``stack``."""
-    check_init_from(cfg, workdir)
+@dataclasses.dataclass(frozen=True)
+class _RunData:
+    """What a run trains on: the tokenizer (a trimmed run's mapped one), its vocabulary map
+    (None: not trimmed), the model's config (its rows as the tokenizer needs), the batch units
+    (examples, or the sequences they are packed into) and the run's number of steps."""
+
+    tok: Any
+    vocab_map: Any
+    model_cfg: ModelConfig
+    units: list
+    num_steps: int
+
+
+def _run_data(cfg, workdir: str) -> _RunData:
+    """The tokenizer, the training examples (trimmed to the run's vocabulary, packed) and the
+    model config of ``cfg``'s run in ``workdir``, each checked against the others."""
     model_cfg = model_config(cfg)
     heads = (model_cfg.num_heads, model_cfg.num_kv_heads)
     config.check_devices(cfg, jax.device_count(), heads, jax.default_backend())
@@ -343,19 +355,20 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
             f"{len(units)} {what} cannot fill a batch of {t.batch_size}",
         )
     num_steps = t.num_steps or max(1, int(t.num_epochs * (len(units) // t.batch_size)))
+    return _RunData(tok, vocab_map, model_cfg, units, num_steps)
 
-    obj = train_step.objective_settings(cfg, tok.mask_id, units)
-    mesh, rules = sharding.mesh_from_config(cfg.mesh)
-    graphdef, abstract = abstract_params(model_cfg, mesh, rules)
-    tx, schedule = train_step.optimizer(cfg, num_steps)
-    step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
+
+def _dataset(cfg, data: _RunData, step: train_step.TrainStep, obj):
+    """The run's batches (`batches.batched_dataset`): this process's rows of each, with the
+    noisy-row weights where ``objective.noisy_weighting`` is ``inverse_t``."""
+    t = cfg.train
     rows = distributed.process_rows(step.batch_sharding, t.batch_size)
     dataset = batched_dataset(
-        units,
+        data.units,
         batch_size=t.batch_size,
         max_length=cfg.data.max_length,
         seed=cfg.seed,
-        pad_id=tok.pad_id,
+        pad_id=data.tok.pad_id,
         rows=rows,
     )
     if obj.noisy_weighting == "inverse_t":
@@ -367,7 +380,45 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
                 ],
             }
         )
+    return dataset
+
+
+def _restore_or_start(cfg, workdir, data: _RunData, step, checkpoints, init) -> tuple:
+    """(`TrainState`, its step): the workdir's latest checkpoint (the same run's: its config
+    checked), or a fresh state of ``init()`` (params, opt_state) at step 0, the run files
+    written."""
     run_config = cfg.to_json_best_effort(indent=2)
+    if checkpoints.latest_step() is not None:
+        wd.check_same_run(workdir, run_config)
+    abstract = TrainState(step.abstract_params, step.abstract_opt_state, 0)
+    state, start = checkpoints.restore_latest(abstract, fallback=cfg.train.restore_fallback)
+    if start is not None:
+        logging.info("resuming %s from its checkpoint of step %d", workdir, start)
+        return state, start
+    logging.info("no checkpoint in %s: starting a fresh run", workdir)
+    params, opt_state = init()
+    if distributed.is_primary():
+        wd.write_run_files(workdir, run_config, data.model_cfg, data.tok)
+        if data.vocab_map is not None:
+            wd.write_vocab_map(workdir, data.vocab_map)
+        if cfg.init_from and wd.is_workdir(cfg.init_from):
+            with Checkpoints(cfg.init_from) as init_checkpoints:
+                init_step = init_checkpoints.latest_step()
+            wd.write_init_record(workdir, cfg.init_from, init_step)
+    return TrainState(params, opt_state, data_position=0), 0
+
+
+def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitStack) -> dict:
+    """`train` after the settings checks, with ``preemption``'s signal handlers installed; the
+    run lock goes on ``stack``."""
+    check_init_from(cfg, workdir)
+    data = _run_data(cfg, workdir)
+    t, num_steps = cfg.train, data.num_steps
+    obj = train_step.objective_settings(cfg, data.tok.mask_id, data.units)
+    mesh, rules = sharding.mesh_from_config(cfg.mesh)
+    graphdef, abstract = abstract_params(data.model_cfg, mesh, rules)
+    tx, schedule = train_step.optimizer(cfg, num_steps)
+    step = train_step.build_train_step(cfg, graphdef, abstract, obj, tx, mesh, rules)
     lock = None
     if distributed.is_primary():  # one training process per workdir (workdir.WorkdirInUse)
         lock = stack.enter_context(wd.RunLock(workdir))
@@ -375,28 +426,11 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
         workdir, max_to_keep=t.max_to_keep, keep_every=t.keep_every, writer=True
     )
 
-    if checkpoints.latest_step() is not None:
-        wd.check_same_run(workdir, run_config)
-    state, start = checkpoints.restore_latest(
-        TrainState(abstract, step.abstract_opt_state, 0), fallback=t.restore_fallback
-    )
-    if start is None:
-        logging.info("no checkpoint in %s: starting a fresh run", workdir)
-        params = initial_params(cfg, model_cfg, abstract, mesh, rules)
-        opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
-        state = TrainState(params, opt_state, data_position=0)
-        if distributed.is_primary():
-            wd.write_run_files(workdir, run_config, model_cfg, tok)
-            if vocab_map is not None:
-                wd.write_vocab_map(workdir, vocab_map)
-            if cfg.init_from and wd.is_workdir(cfg.init_from):
-                with Checkpoints(cfg.init_from) as init_checkpoints:
-                    init_step = init_checkpoints.latest_step()
-                wd.write_init_record(workdir, cfg.init_from, init_step)
-        start = 0
-    else:
-        logging.info("resuming %s from its checkpoint of step %d", workdir, start)
+    def init():
+        params = initial_params(cfg, data.model_cfg, abstract, mesh, rules)
+        return params, jax.jit(tx.init, out_shardings=step.opt_state_shardings)(params)
 
+    state, start = _restore_or_start(cfg, workdir, data, step, checkpoints, init)
     if start >= num_steps:
         logging.info("%s is already at step %d of %d: nothing to do", workdir, start, num_steps)
     else:
@@ -405,7 +439,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
             cfg.objective.name,
             start,
             num_steps,
-            len(units),
+            len(data.units),
             "packed sequences" if cfg.data.packing else "examples",
             t.batch_size,
             obj.max_label_tokens,
@@ -414,18 +448,18 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     params, opt_state, position = state
     preemption.checkpoints = checkpoints
     trainer = Trainer(
-        cfg,
-        workdir,
-        step,
-        schedule,
-        dataset,
-        checkpoints,
-        metrics,
-        preemption,
-        lock,
-        params,
-        opt_state,
-        position,
+        cfg=cfg,
+        workdir=workdir,
+        step=step,
+        schedule=schedule,
+        dataset=_dataset(cfg, data, step, obj),
+        checkpoints=checkpoints,
+        metrics=metrics,
+        preemption=preemption,
+        lock=lock,
+        params=params,
+        opt_state=opt_state,
+        position=position,
     )
     last = trainer.run(start, num_steps)
     del trainer  # the last step's parameters and optimizer state: freed before the closes
@@ -434,7 +468,7 @@ def _train(cfg, workdir: str, preemption: "Preemption", stack: contextlib.ExitSt
     return last
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Trainer:
     """Steps ``start`` .. ``num_steps`` of `train` (`run`), saving every ``train.save_every``, at
     the end, and at a preemption (then returning early); holds the loop's state: the run's
