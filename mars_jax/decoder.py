@@ -83,13 +83,7 @@ class Decoder:
 
     # The jitted entry points: each enters the mesh and traces the `_`-method of its name.
     @_static_self
-    def prefill(
-        self,
-        params,
-        prompt_ids,
-        prompt_lengths,
-        row_settings: RowSettings,
-    ) -> DecodeState:
+    def prefill(self, params, prompt_ids, prompt_lengths, row_settings: RowSettings) -> DecodeState:
         """The state after the prompts' forward (no token decoded yet).
 
         prompt_ids int32 [R, P] (right-padded), prompt_lengths int32 [R] in 1..P, row_settings
@@ -100,13 +94,7 @@ class Decoder:
             return self._prefill(model, prompt_ids, prompt_lengths, row_settings)
 
     @_static_self
-    def begin(
-        self,
-        params,
-        prompt_ids,
-        prompt_lengths,
-        row_settings: RowSettings,
-    ) -> DecodeState:
+    def begin(self, params, prompt_ids, prompt_lengths, row_settings: RowSettings) -> DecodeState:
         """A chunked prefill's first state (``sliding`` or ``none`` mode; arguments as
         `prefill`): the prompts' tokens and settings with an empty cache, which
         `prefill_chunk` then fills one chunk at a time (``none``: no cache, nothing to fill).
@@ -237,13 +225,7 @@ class Decoder:
         (which also ends a decode should a step ever accept nothing)."""
         return jnp.all(state.done) | (state.forwards >= self.settings.max_forwards)
 
-    def decode(
-        self,
-        params,
-        prompt_ids,
-        prompt_lengths,
-        row_settings: RowSettings,
-    ) -> DecodeResult:
+    def decode(self, params, prompt_ids, prompt_lengths, row_settings: RowSettings) -> DecodeResult:
         """prefill, the steps in a ``lax.while_loop`` and the result, traced as one program
         (call it inside ``jit``, as `_generate` does). Arguments as `prefill`."""
         with self._on_mesh():
