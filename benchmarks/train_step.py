@@ -62,7 +62,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import common
-from mars_jax import cli, packing, sharding, train, train_step
+from mars_jax import cli, packing, sharding, train_inputs, train_step
 from mars_jax import config as config_lib
 from mars_jax.batches import Example, batched_dataset
 from mars_jax.common_types import IGNORE_INDEX
@@ -234,8 +234,8 @@ def data_units(cfg, model_length: int, packed: bool, tok) -> tuple[list, list]:
     those examples, or their packed sequences)."""
     c = cfg.copy_and_resolve_references()
     c.data.max_length = model_length
-    examples = train.load_train_examples(c, tok)
-    return examples, (train.pack_examples(c, examples) if packed else examples)
+    examples = train_inputs.load_train_examples(c, tok)
+    return examples, (train_inputs.pack_examples(c, examples) if packed else examples)
 
 
 def targets(unit) -> int:
@@ -250,8 +250,8 @@ def targets(unit) -> int:
 
 def benchmark_data(cfg, *, steps: int, max_lengths: list[int], packings: list[bool]) -> list[dict]:
     """The real-data table (module docstring): prints it and returns its rows."""
-    tok = load_tokenizer(train.tokenizer_source(cfg))
-    model_cfg = train.with_mask_row(cfg, train.model_config(cfg), tok)
+    tok = load_tokenizer(train_inputs.tokenizer_source(cfg))
+    model_cfg = train_inputs.with_mask_row(cfg, train_inputs.model_config(cfg), tok)
     rows = cfg.train.batch_size
     print(
         f"{jax.devices()[0].device_kind} x {len(jax.devices())}: {cfg.data.train_path or 'synthetic'}"

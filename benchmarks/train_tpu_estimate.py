@@ -55,7 +55,7 @@ from absl import flags
 
 from benchmarks import decode_hlo
 from benchmarks.train_step import step_flops
-from mars_jax import cli, model, packing, sharding, train, train_step
+from mars_jax import cli, model, packing, sharding, train_inputs, train_step
 from mars_jax import config as config_lib
 from mars_jax.tokenizer import MASK_ID, load_tokenizer
 
@@ -72,8 +72,8 @@ def padding_of(cfg, rows_path: str, rows_format: str) -> dict[bool, float]:
     c.objective.max_label_tokens = 0
     if not os.path.isdir(c.init_from):  # the paper configs' placeholder: Qwen2.5's tokenizer
         c.init_from = ""
-    examples = train.load_train_examples(c, load_tokenizer(train.tokenizer_source(c)))
-    packed = train.pack_examples(c, examples)
+    examples = train_inputs.load_train_examples(c, load_tokenizer(train_inputs.tokenizer_source(c)))
+    packed = train_inputs.pack_examples(c, examples)
     length = c.data.max_length
     return {
         False: packing.padding_fraction(examples, length),

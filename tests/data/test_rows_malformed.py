@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mars_jax import config, errors, train
+from mars_jax import config, errors, train_inputs
 from mars_jax.batches import build_examples
 from mars_jax.common_types import IGNORE_INDEX
 from mars_jax.rows import read_rows
@@ -425,7 +425,7 @@ def test_config_key_reaches_training_data(tmp_path, tok):
     path.write_bytes(line(rows[0]) + b"\n{oops\n" + line(rows[1]) + b"\n" + line(rows[2]) + b"\n")
     cfg = tiny_config()
     cfg.data.update(source="gsm8k", train_path=str(path), max_bad_fraction=0.25)
-    examples = train.load_train_examples(cfg, tok)
+    examples = train_inputs.load_train_examples(cfg, tok)
     assert [tok.decode(ids[labels != IGNORE_INDEX]) for ids, labels, _ in examples] == [
         "a0",
         "a1",
@@ -434,12 +434,12 @@ def test_config_key_reaches_training_data(tmp_path, tok):
     cfg.data.max_bad_fraction = 0.2
     match = rf"^{re.escape(str(path))}:2: invalid JSON: .*1 of 4 non-blank"
     with pytest.raises(ValueError, match=match):
-        train.load_train_examples(cfg, tok)
+        train_inputs.load_train_examples(cfg, tok)
     # data.truncate: a row longer than max_length is cut (True) or skipped (False).
     path.write_bytes(line(rows[0]) + b"\n" + line({"question": "q", "answer": "word " * 500}))
-    assert len(train.load_train_examples(cfg, tok)) == 2
+    assert len(train_inputs.load_train_examples(cfg, tok)) == 2
     cfg.data.truncate = False
-    assert len(train.load_train_examples(cfg, tok)) == 1
+    assert len(train_inputs.load_train_examples(cfg, tok)) == 1
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])

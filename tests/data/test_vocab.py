@@ -18,6 +18,7 @@ from mars_jax import (
     export,
     objectives,
     train,
+    train_inputs,
     train_step,
     vocab,
 )
@@ -162,7 +163,9 @@ def test_trimmed_run_keeps_the_data_ids(trimmed):
     workdir, cfg = trimmed
     tok = load_tokenizer()
     ids = saved_ids(workdir)
-    train_ids = {i for e in train.load_train_examples(cfg, tok) for i in e.input_ids.tolist()}
+    train_ids = {
+        i for e in train_inputs.load_train_examples(cfg, tok) for i in e.input_ids.tolist()
+    }
     eval_ids = set()
     for prompt, answer in eval_examples("synthetic", num_examples=3, seed=cfg.seed + 1):
         eval_ids |= set(tok.apply_chat_template(prompt, add_generation_prompt=True))
@@ -193,7 +196,7 @@ def test_stage2_keeps_the_map_and_trains_on_mapped_batches(trimmed, tmp_path):
             input_ids=to_model(e.input_ids).astype(np.int32),
             labels=to_model(e.labels).astype(np.int32),
         )
-        for e in train.load_train_examples(cfg, load_tokenizer())
+        for e in train_inputs.load_train_examples(cfg, load_tokenizer())
     ]
     batch = batched_dataset(
         examples,

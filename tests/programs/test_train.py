@@ -20,7 +20,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from mars_jax import evaluate, export, objectives, train, train_step
+from mars_jax import evaluate, export, objectives, train, train_inputs, train_step
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, eval_examples
 from mars_jax.checkpoints import Checkpoints
@@ -285,7 +285,7 @@ def test_stage2_starts_from_stage1(stage1, tmp_path):
     assert m["loss"] == pytest.approx(m["noisy_loss"] + cfg.objective.ar_weight * m["clean_loss"])
     # The clean half of MARS is the AR loss: at step 1 it is the stage-1 model's AR loss on the
     # first batch, which a fresh random model would not give.
-    examples = train.load_train_examples(cfg, tok)
+    examples = train_inputs.load_train_examples(cfg, tok)
     batch = batched_dataset(
         examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
     )[0]
@@ -317,7 +317,7 @@ def test_inverse_t_weighting_reaches_the_step(stage1, tmp_path):
             train__grad_accum_steps=accum,
         )
         losses.append(train.train(cfg, str(tmp_path / f"accum{accum}"))["loss"])
-    examples = train.load_train_examples(cfg, tok)
+    examples = train_inputs.load_train_examples(cfg, tok)
     batch = batched_dataset(
         examples, batch_size=cfg.train.batch_size, max_length=cfg.data.max_length, seed=cfg.seed
     )[0]
@@ -660,7 +660,7 @@ def test_grad_accumulation_equals_whole_batch():
     """Micro-batches with different label counts: the accumulated update equals the update on
     the whole batch, for both normalizations."""
     cfg = get_config("ar")
-    model_cfg = train.model_config(cfg)
+    model_cfg = train_inputs.model_config(cfg)
     rng = np.random.RandomState(0)
     ids = rng.randint(0, 1000, (4, 16)).astype(np.int32)
     labels = np.full_like(ids, IGNORE_INDEX)
@@ -764,9 +764,11 @@ def test_a_packed_step_logs_the_loss_of_its_rows_unpacked(tmp_path, stage):
     """One step over every row, packed into fewer sequences, logs the loss, labelled tokens and
     row count of one step over the same rows unpacked."""
     cfg = packing_config(tmp_path, stage, train__batch_size=len(PACKING_ROWS))
-    examples = train.load_train_examples(cfg, load_tokenizer(None))
+    examples = train_inputs.load_train_examples(cfg, load_tokenizer(None))
     assert len(examples) == len(PACKING_ROWS)
-    sequences = train.pack_examples(packing_config(tmp_path, stage, data__packing=True), examples)
+    sequences = train_inputs.pack_examples(
+        packing_config(tmp_path, stage, data__packing=True), examples
+    )
     assert len(sequences) < len(examples)
     packed = packing_config(tmp_path, stage, data__packing=True, train__batch_size=len(sequences))
     logged = {}

@@ -451,7 +451,7 @@ def test_train_step_on_real_rows_packed_and_not(tmp_path, smollm2_dir):
     """The documented ``--data`` command on configs/smollm2_gsm8k.py with its model swapped for a
     tiny one in SmolLM2's layout (its tokenizer files: the real row lengths) and 48 GSM8K train
     rows: each row's figures agree with the packing of those rows, computed here."""
-    from mars_jax import packing, train
+    from mars_jax import packing, train_inputs
     from mars_jax.rows import read_rows
     from tests.helpers import write_smol_layout
 
@@ -492,12 +492,12 @@ def test_train_step_on_real_rows_packed_and_not(tmp_path, smollm2_dir):
     spec.loader.exec_module(module)
     cfg = module.get_config("mars")
     cfg.init_from, cfg.data.train_path = str(model_dir), str(rows_file)
-    tok = train.load_tokenizer(str(model_dir))
+    tok = train_inputs.load_tokenizer(str(model_dir))
     assert len(read_rows(str(rows_file))) == 48
     for r in result:
         cfg.data.max_length = r["max_length"]
-        examples = train.load_train_examples(cfg, tok)
-        units = train.pack_examples(cfg, examples) if r["packing"] else examples
+        examples = train_inputs.load_train_examples(cfg, tok)
+        units = train_inputs.pack_examples(cfg, examples) if r["packing"] else examples
         assert r["padding"] == pytest.approx(packing.padding_fraction(units, r["max_length"]))
         assert r["steps_per_epoch"] == len(units) // 2
         assert r["rows_per_step"] == pytest.approx(2 * len(examples) / len(units))

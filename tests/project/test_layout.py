@@ -43,6 +43,7 @@ WINGS = (
         (
             "cli",
             "openai_protocol",
+            "train_inputs",
             "train",
             "evaluate",
             "generate",

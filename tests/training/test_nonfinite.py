@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mars_jax import config, errors, objectives, train, train_step
+from mars_jax import config, errors, objectives, train, train_inputs, train_step
 from mars_jax import workdir as wd
 from mars_jax.batches import batched_dataset, build_examples
 from mars_jax.common_types import IGNORE_INDEX
@@ -166,7 +166,7 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
         loss = jnp.where((batch["input_ids"] == MASK_ID).any(), jnp.nan, loss)
         return loss, {**metrics, "loss": loss}
 
-    real_examples = train.load_train_examples
+    real_examples = train_inputs.load_train_examples
     monkeypatch.setattr(train, "load_train_examples", marked_examples)
     monkeypatch.setattr(train_step, "loss_fn", poisoned_loss)
     caplog.set_level("WARNING", logger="absl")
