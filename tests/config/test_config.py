@@ -164,9 +164,11 @@ def test_evaluation_settings_are_refused_before_the_checkpoint_is_touched(
 
 
 def test_train_refuses_a_bad_objective_before_reading_anything(tmp_path, monkeypatch):
-    from mars_jax import train
+    from mars_jax import train, train_inputs
 
-    monkeypatch.setattr(train, "load_train_examples", lambda *a: pytest.fail("read the data"))
+    monkeypatch.setattr(
+        train_inputs, "load_train_examples", lambda *a: pytest.fail("read the data")
+    )
     with pytest.raises(errors.SettingError, match=r"^objective\.normalization='batch'"):
         train.train(with_overrides(objective__normalization="batch"), str(tmp_path / "run"))
     with pytest.raises(errors.SettingError, match=r"^train\.batch_size=16: must be divisible"):

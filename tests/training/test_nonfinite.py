@@ -167,7 +167,7 @@ def test_run_skips_poisoned_batches_logs_rows_and_stops(tmp_path, monkeypatch, c
         return loss, {**metrics, "loss": loss}
 
     real_examples = train_inputs.load_train_examples
-    monkeypatch.setattr(train, "load_train_examples", marked_examples)
+    monkeypatch.setattr(train_inputs, "load_train_examples", marked_examples)
     monkeypatch.setattr(train_step, "loss_fn", poisoned_loss)
     caplog.set_level("WARNING", logger="absl")
     workdir = str(tmp_path / "run")
