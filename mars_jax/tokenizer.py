@@ -255,21 +255,13 @@ class Tokenizer:
         time_limit: float | None = None,
         continue_final_message: bool = False,
     ) -> str:
-        """Render ``messages`` with the chat template, as ``transformers``'
-        ``apply_chat_template(tokenize=False, tools=tools)`` does; returns the prompt text.
-        ``continue_final_message`` ends the text where the last message's content ends (its turn
-        left open, as transformers' flag of that name; lm_eval's ``gen_prefix``).
-        ``time_limit`` (seconds, on the main thread) bounds a template that loops for ever:
-        `TemplateTimeout` (a jinja2 TemplateError) past it.
-
-        Each message is a dict with ``"role"`` and ``"content"`` (str), and whatever other fields
-        the template reads, passed through as given: for tool use ``"tool_calls"`` (OpenAI format,
-        ``[{"type": "function", "function": {"name": str, "arguments": dict}}]``), ``"name"`` and
-        ``"tool_call_id"``. ``tools`` (JSON schemas of the callable functions, or None) is the
-        template's ``tools`` variable. With ``add_generation_prompt`` the template opens an
-        assistant turn. Raises ``jinja2.exceptions.TemplateError`` when the template calls
-        ``raise_exception``, and ValueError naming ``template_source`` when the sandbox stops it
-        (`_Sandbox`: Python internals, mutation)."""
+        """The prompt text of ``messages`` (dicts of ``role``, ``content`` and whatever else the
+        template reads, e.g. OpenAI's ``tool_calls``) and ``tools`` (JSON schemas), as
+        transformers' ``apply_chat_template(tokenize=False)``: ``add_generation_prompt`` opens an
+        assistant turn, ``continue_final_message`` leaves the last one open (lm_eval's
+        ``gen_prefix``). ``time_limit`` (seconds, main thread) stops a looping template
+        (`TemplateTimeout`). A template's ``raise_exception`` is a jinja2 TemplateError; what
+        the sandbox stops (`_Sandbox`) a ValueError naming ``template_source``."""
         if not continue_final_message:
             return self._render(messages, add_generation_prompt, tools, time_limit)
         content = messages[-1].get("content") if messages else None
