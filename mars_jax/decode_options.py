@@ -39,8 +39,8 @@ class Rule(str, enum.Enum):
 
 CACHE_MODES = tuple(m.value for m in CacheMode)
 RULES = tuple(r.value for r in Rule)
-# name -> `acceptance.AcceptanceRule`, filled by mars_jax.acceptance: a new rule is one class registered
-# there, and its name is then a valid ``rule`` (a built-in name is valid before decode loads).
+# name -> `acceptance.AcceptanceRule`, filled by mars_jax.acceptance: a new rule is one class
+# registered there, and its name is then a valid ``rule`` (a built-in name is valid before decode loads).
 ACCEPTANCE_RULES: dict[str, object] = {}
 
 

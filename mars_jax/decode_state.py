@@ -1,4 +1,4 @@
-"""The values of MARS threshold decoding: what a decoder program is (`DecoderSettings`,
+"""The values of MARS threshold decoding (arXiv 2604.07023, Sec. 3.3): what a decoder program is (`DecoderSettings`,
 static), what its rows are told (`RowSettings`, per row), what it carries from forward to
 forward (`DecodeState`), and what a host reads back (`DecodeResult`, `NewTokens`). Pytrees and
 frozen dataclasses only: the functions over them are `mars_jax.decoder.Decoder`'s.

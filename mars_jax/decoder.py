@@ -1,4 +1,4 @@
-"""The MARS decoder: one frozen `Decoder` per program (the model's graphdef and the static
+"""The MARS decoder (arXiv 2604.07023, Sec. 3.3): one frozen `Decoder` per program (the model's graphdef and the static
 `DecoderSettings`), whose jitted methods are pure functions over the parameters and a
 `DecodeState` (which carries each row's `RowSettings`): ``prefill``, ``step`` (one forward),
 ``steps``, ``result``, and the engine verbs ``begin`` / ``prefill_chunk`` / ``insert`` /

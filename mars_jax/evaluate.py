@@ -21,8 +21,8 @@ is printed only.
 ``eval.thresholds`` must each lie in (0, 1]; they are checked before anything is loaded.
 
 Wall clock (``eval.timing_repeats`` >= 1; 0 decodes each threshold once, untimed, and leaves the
-speed fields out): each decoder program (one per block size) is compiled by an untimed warm-up decode;
-then each threshold's decode of all the prompts is timed ``eval.timing_repeats`` times and the
+speed fields out): each decoder program (one per block size) is compiled by an untimed warm-up
+decode; then each threshold's decode of all the prompts is timed ``eval.timing_repeats`` times and the
 fastest counts (``seconds``; ``tokens_per_s`` = generated tokens / seconds). AR decoding of the
 same prompts (block size 1, threshold 1.0, the same cache mode), timed the same way in the same
 run, is the baseline: ``speedup`` = tokens_per_s / ``ar_tokens_per_s`` and ``conversion`` =
