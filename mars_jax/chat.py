@@ -148,7 +148,6 @@ def main() -> None:
     decoding = cli.DecodingFlags(
         threshold=0.9,
         max_new_tokens=256,
-        threshold_help="Confidence threshold; 1.0 = AR decoding.",
         budget_help="Answer budget per turn.",
     )
     system = flags.DEFINE_string("system", None, "Optional system message.")

@@ -166,8 +166,8 @@ class DecodingFlags:
         *,
         threshold: float,
         max_new_tokens: int,
-        threshold_help: str,
         budget_help: str,
+        threshold_help: str = "Confidence threshold; 1.0 = AR decoding.",
         flag_values: flags.FlagValues = flags.FLAGS,
     ):
         define = dict(flag_values=flag_values)

@@ -173,13 +173,12 @@ def main() -> None:
     prompts_file = flags.DEFINE_string(
         "prompts_file", None, 'JSONL file of {"prompt": str, "threshold": float (optional)}.'
     )
+    system = flags.DEFINE_string("system", None, "Optional system message.")
     decoding = cli.DecodingFlags(
         threshold=0.95,
         max_new_tokens=256,
-        threshold_help="Confidence threshold; 1.0 = AR decoding.",
         budget_help="Completion budget per prompt.",
     )
-    system = flags.DEFINE_string("system", None, "Optional system message.")
     step = cli.step_flag()
     as_json = flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
     stream = flags.DEFINE_bool("stream", False, "Print text as it is committed, per forward.")

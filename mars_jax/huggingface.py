@@ -528,11 +528,9 @@ def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "flo
     hf = json.loads(storage.read_text(source))
     _checkpoint_files(path)
     if "auto_map" in hf:
+        names = json.dumps(hf["auto_map"])
         logging.warning(
-            "%s: auto_map %s names custom code; it is not run (the weights load into "
-            "mars_jax's own Qwen2)",
-            source,
-            json.dumps(hf["auto_map"]),
+            "%s: auto_map %s is custom code, not run (mars_jax's CausalLM is)", source, names
         )
     return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=source)
 

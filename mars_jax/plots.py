@@ -40,13 +40,7 @@ def pareto_plot(runs: dict[str, list[dict]], path: str, *, title: str = ""):
                 fontsize=8,
                 color=line.get_color(),
             )
-    ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title, fontsize=9, wrap=True)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
-    return fig
+    return _save(fig, ax, path, ("tokens per forward", "accuracy"), title)
 
 
 def loss_plot(runs: dict[str, list[dict]], path: str, *, keys=("loss",), title: str = ""):
@@ -67,8 +61,13 @@ def loss_plot(runs: dict[str, list[dict]], path: str, *, keys=("loss",), title: 
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), label=f"{label}: {key}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    return _save(fig, ax, path, ("step", "cross-entropy (nats/token)"), title)
+
+
+def _save(fig, ax, path: str, labels: tuple[str, str], title: str):
+    """Labels, title, grid and legend of the one axes of ``fig``; saved to ``path``."""
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
     ax.set_title(title, fontsize=9, wrap=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
