@@ -135,7 +135,7 @@ def test_every_extra_the_docs_name_is_spelled_as_pip_reads_it():
     provided = set(importlib.metadata.metadata("mars-jax").get_all("Provides-Extra") or ())
     named = {
         extra
-        for page in [*PAGES, ROOT / "tests" / "project" / "test_documented_commands.py"]
+        for page in [*PAGES, ROOT / "tests" / "project" / "documented.py"]
         for group in re.findall(r"pip install -e [\"']?\.\[([^\]]+)\]", page.read_text())
         for extra in group.split(",")
     }
