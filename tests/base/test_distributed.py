@@ -32,7 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 400  # per launch; both runs took ~1 min each on a shared 2-core CPU
 
 # configs/tiny.py shrunk as in tests/programs/test_train.py; 3 steps of 8 rows (2 per device).
+# The vocabulary is trimmed to the data's tokens: with Qwen2.5's 151,680 rows every step moved
+# 20 MB of embedding, gradient and optimizer shards through gloo (about 1 s a step).
 OVERRIDES = {
+    "data.trim_vocab": True,
     "train.num_steps": 3,
     "train.batch_size": 8,
     "train.log_every": 1,
