@@ -530,7 +530,7 @@ def read_hf_config(path: str, *, dtype: str = "float32", param_dtype: str = "flo
     if "auto_map" in hf:
         names = json.dumps(hf["auto_map"])
         logging.warning(
-            "%s: auto_map %s is custom code, not run (mars_jax's CausalLM is)", source, names
+            "%s: auto_map %s names custom code; it is not run (CausalLM is)", source, names
         )
     return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=source)
 
