@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from tests.project.documented import ROOT, SHARED_DATA, TIMEOUT_S
+from tests.project.documented import ENTRIES, ROOT, SHARED_DATA, TIMEOUT_S, commands_of
 from tests.project.smoke import (
     EVAL_SMOKE,
     MODEL_SMOKE,
@@ -521,3 +521,12 @@ def run_gcs_emulator(commands, request, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def run_entry(entry: str, request, tmp_path) -> None:
+    """`test_smoke[entry]` of each test file: the background runs of the requesting file started
+    (the first test starts them), then the entry's runner on its documented commands."""
+    commands = commands_of(entry)
+    assert commands, entry
+    request.getfixturevalue("background")
+    globals()[ENTRIES[entry].runner](commands, request, tmp_path)

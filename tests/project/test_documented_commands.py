@@ -145,7 +145,4 @@ def test_checked(entry):
 @pytest.mark.subprocess
 @pytest.mark.parametrize("entry", smoke_entries("own"))
 def test_smoke(entry, request, tmp_path):
-    commands = commands_of(entry)
-    assert commands, entry
-    request.getfixturevalue("background")  # starts the expensive runs with the first test
-    getattr(smoke_runners, ENTRIES[entry].runner)(commands, request, tmp_path)
+    smoke_runners.run_entry(entry, request, tmp_path)

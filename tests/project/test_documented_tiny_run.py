@@ -6,17 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tests.project import smoke_runners
-from tests.project.documented import ENTRIES, ROOT, commands_of
+from tests.project.documented import ROOT
 from tests.project.smoke import smoke_entries
 
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("entry", smoke_entries("tiny"))
 def test_smoke(entry, request, tmp_path):
-    commands = commands_of(entry)
-    assert commands, entry
-    request.getfixturevalue("background")  # starts the expensive runs with the first test
-    getattr(smoke_runners, ENTRIES[entry].runner)(commands, request, tmp_path)
+    smoke_runners.run_entry(entry, request, tmp_path)
 
 
 def test_the_decoding_api_example_runs(tiny_run):

@@ -7,14 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.project import smoke_runners
-from tests.project.documented import ENTRIES, commands_of
 from tests.project.smoke import smoke_entries
 
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("entry", smoke_entries("trained"))
 def test_smoke(entry, request, tmp_path):
-    commands = commands_of(entry)
-    assert commands, entry
-    request.getfixturevalue("background")  # starts the expensive runs with the first test
-    getattr(smoke_runners, ENTRIES[entry].runner)(commands, request, tmp_path)
+    smoke_runners.run_entry(entry, request, tmp_path)
