@@ -12,14 +12,27 @@ step logged (the curve counts the rows seen from ``metrics.jsonl``), and an eval
 GSM8K test questions (the same 32 at every point) at 1.0 / 0.95 / 0.9 / 0.8 for MARS, 1.0 for
 the control, untimed (``eval.timing_repeats=0``: each threshold decoded once; the wall clock is
 measured apart, with benchmarks/decode_speed.py).
+
+``:self`` is ``:mars`` trained on the untuned model's own answers to the GSM8K train questions
+(self-distillation: ``python -m mars_jax.distill``, docs/results.md), written to
+``runs/distill/smollm2_gsm8k_train.jsonl`` as chat rows; evaluated as ``:mars`` is, on the
+GSM8K test questions and their reference answers.
 """
 
 from configs import smollm2_gsm8k
 
+SELF_DISTILLED = "runs/distill/smollm2_gsm8k_train.jsonl"
+
 
 def get_config(stage: str = "mars"):
-    """``mars`` (block size 4) or ``ar`` (the control), from models/smollm2."""
-    c = smollm2_gsm8k.get_config(stage)
+    """``mars`` (block size 4), ``ar`` (the control) or ``self`` (MARS on the model's own
+    answers), from models/smollm2."""
+    if stage not in ("mars", "ar", "self"):
+        raise ValueError(f"stage {stage!r}: expected mars, ar or self")
+    c = smollm2_gsm8k.get_config("mars" if stage == "self" else stage)
+    if stage == "self":
+        c.data.source, c.data.train_path = "messages", SELF_DISTILLED
+        c.data.eval_format = "gsm8k"
     c.data.max_length = 256
     c.data.packing = True
     c.train.batch_size = 4  # packed sequences

@@ -191,21 +191,22 @@ class DecodingFlags:
         self.rule = flags.DEFINE_enum("rule", "prob", RULES, "Acceptance rule.", **define)
 
     def open(
-        self, path: str, *, step: int | None = None, mesh=None, threshold=None
+        self, path: str, *, step: int | None = None, mesh=None, threshold=None, block_size=None
     ) -> tuple[sources.Opened, DecodeOptions]:
         """The model at ``path`` (`sources.open`, its checkpoint ``step``, on ``mesh``) and the
-        flags' options at its block size (``threshold``, if given, in place of the flag's: one
-        per row), checked before any weight is read."""
+        flags' options at its block size (``threshold`` and ``block_size``, if given, in place of
+        the flags': a threshold may be one per row), checked before any weight is read."""
+        block_size = self.block_size.value if block_size is None else block_size
         options = config_lib.check_decoding(
             threshold=self.threshold.value if threshold is None else threshold,
-            block_size=self.block_size.value,
+            block_size=block_size,
             max_new_tokens=self.max_new_tokens.value,
             temperature=self.temperature.value,
             top_p=self.top_p.value,
             cache_mode=self.cache_mode.value,
             rule=self.rule.value,
         )
-        opened = sources.open(path, block_size=self.block_size.value, step=step, mesh=mesh)
+        opened = sources.open(path, block_size=block_size, step=step, mesh=mesh)
         return opened, options.replace(block_size=opened.block_size)
 
 

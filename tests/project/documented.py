@@ -280,6 +280,25 @@ REGISTRY = [
         ),
     ),
     (
+        "distill",
+        r"python -m mars_jax\.distill --workdir=models/smollm2 .*",
+        Smoke(
+            "run_distill",
+            "needs ../shared/data; on SmolLM2 as printed, 3 questions of 8 tokens in batches of "
+            "2: the rows written and the skips add up to 3, the progress file says 3 done",
+        ),
+    ),
+    (
+        "smollm2_curve",
+        r"python -m experiments\.smollm2_curve --config=configs/smollm2_curve\.py:(mars|ar|self) "
+        r"--workdir=runs/curve/(mars|ar|self) .*",
+        Covered(
+            "tests/project/test_smollm2_curve.py::test_the_curve_evaluates_each_step_once",
+            "the script on the same config with a tiny model in SmolLM2's layout, 4 steps "
+            "(test_the_self_distilled_run_trains_on_answer_rows: the :self config's rows)",
+        ),
+    ),
+    (
         "export",
         r"python -m mars_jax\.export --workdir=runs/tiny/mars --output=runs/tiny/hf",
         Smoke("run_export", "the export loads with transformers; README.md model card written"),

@@ -222,6 +222,20 @@ def run_smollm2_evaluate(commands, request, tmp_path):
     assert sorted(os.listdir(model)) == before  # nothing written into the model's directory
 
 
+def run_distill(commands, request, tmp_path):
+    needs_shared_data()
+    for command in {c.text: c for c in commands}.values():  # the same command in three docs
+        out = tmp_path / "self.jsonl"
+        subs = {**resolve_subs(command, request), "runs/distill/smollm2_gsm8k_train.jsonl": out}
+        extra = ["--limit=3", "--max_new_tokens=8", "--batch_size=2"]
+        proc = run_command(command, extra, subs=subs)
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert summary["rows"] == len(rows) and len(rows) + sum(summary["skipped"].values()) == 3
+        assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+        assert json.loads((tmp_path / "self.jsonl.progress.json").read_text())["done"] == 3
+
+
 def model_subs(command, request) -> dict:
     """The documented model directories of ``command``: the tiny run, its export, the tiny
     checkpoint in the released format, SmolLM2's directory (each made on first use)."""

@@ -47,6 +47,7 @@ WINGS = (
             "train",
             "evaluate",
             "generate",
+            "distill",
             "chat",
             "export",
             "lm_eval_adapter",

@@ -2,6 +2,7 @@
 tiny model in SmolLM2's layout and 24 GSM8K rows: its points are the evaluations of the steps
 asked for, the rows seen are those the training logged, and a rerun adds nothing."""
 
+import collections
 import json
 
 import pytest
@@ -19,11 +20,16 @@ def load(stage):
 
 
 def test_both_stages_pass_the_checks():
-    for stage in ("mars", "ar"):
+    for stage in ("mars", "ar", "self"):
         cfg = load(stage)
         config.validate(cfg, training=True, paths=False)
         assert cfg.data.packing and cfg.train.schedule == "constant" and cfg.train.log_every == 1
     assert load("ar").eval.thresholds == (1.0,)
+    # The self-distilled run differs from MARS's in its training rows only.
+    mars, own = load("mars"), load("self")
+    assert (own.data.source, own.data.eval_format) == ("messages", "gsm8k")
+    own.data.update(source="gsm8k", train_path=mars.data.train_path, eval_format="")
+    assert own.to_dict() == mars.to_dict()
 
 
 def test_the_curve_evaluates_each_step_once(tmp_path, smollm2_dir):
@@ -67,3 +73,46 @@ def test_the_curve_evaluates_each_step_once(tmp_path, smollm2_dir):
     assert (tmp_path / "curve.png").stat().st_size > 1000
     assert smollm2_curve.curve(cfg, workdir, [0, 2, 4], str(out), "mars") == rows  # nothing new
     assert len(list((tmp_path / "runs" / "mars" / "eval").glob("step_*.json"))) == 2
+
+
+def test_the_self_distilled_run_trains_on_answer_rows(tmp_path, smollm2_dir):
+    """``:self`` on rows as `mars_jax.distill` writes them (here its writer given the reference
+    answers' ids as the decode): the run trains on them and is evaluated on GSM8K test."""
+    import numpy as np
+
+    from mars_jax import decode, distill, sources
+    from mars_jax.tokenizer import load_tokenizer
+
+    if not GSM8K.exists():
+        pytest.skip("needs ../shared/data")
+    model, _ = write_smol_layout(tmp_path / "smol", smollm2_dir)
+    tok = load_tokenizer(str(model))
+    train = [json.loads(line) for line in (GSM8K / "train.jsonl").read_text().splitlines()[:12]]
+    prompts = [
+        distill.Prompt(i, distill.prompt_messages(r, "gsm8k"), None, [])
+        for i, r in enumerate(train)
+    ]
+    answers = [tok.encode(r["answer"]) for r in train]
+    tokens = np.zeros((len(train), max(map(len, answers)) + 1), np.int32)
+    for i, a in enumerate(answers):
+        tokens[i, : len(a)] = a
+    lengths = np.array(list(map(len, answers)), np.int32)
+    out = decode.DecodeOutput(tokens, lengths, lengths + 1, lengths + 1, 1)
+    opened = sources.Opened("m", None, tok, 0, 1, (), 0, None)
+    rows = distill.answer_rows(opened, prompts, out, tokens.shape[1], collections.Counter())
+    assert [r["messages"][1]["content"] for r in rows] == [tok.decode(a) for a in answers]
+    rows_file = tmp_path / "self.jsonl"
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    cfg = load("self")
+    cfg.init_from, cfg.data.train_path = str(model), str(rows_file)
+    cfg.train.update(num_steps=2, save_every=2)
+    cfg.data.max_length = 128
+    cfg.eval.update(num_examples=2, batch_size=2, nll_examples=2, max_new_tokens=4)
+    cfg.eval.thresholds = (1.0,)
+    workdir = str(tmp_path / "runs" / "self")
+    points = smollm2_curve.curve(cfg, workdir, [2], str(tmp_path / "curve.json"), "self")
+    assert [(p["run"], p["step"]) for p in points] == [("self", 2)]
+    metrics = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
+    assert points[0]["rows_seen"] == sum(m["rows"] for m in metrics) > 0
+    assert json.loads(open(f"{workdir}/config.json").read())["data"]["source"] == "messages"

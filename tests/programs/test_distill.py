@@ -1,0 +1,191 @@
+"""Self-distillation data (`mars_jax.distill`): the prompts a row gives, the rows written and the
+answers skipped (the decoder stubbed by a rule the test knows), a run cut by a kill and resumed
+against one uninterrupted run, refusals, and SmolLM2's answers against transformers' greedy
+decode, read back as training rows."""
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from mars_jax import decode, distill, sources
+from mars_jax.chat_rows import SkipRow
+from mars_jax.decode_options import DecodeOptions
+from mars_jax.errors import AlreadyExists, InputError
+from mars_jax.tokenizer import load_tokenizer
+from tests.helpers import run_python
+
+BUDGET = 6
+
+
+def test_a_rows_prompt_is_its_turns_before_the_answer():
+    assert distill.prompt_messages({"question": "q?", "answer": "a"}, "gsm8k") == [
+        {"role": "user", "content": "q?"}
+    ]
+    turns = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
+    assert distill.prompt_messages({"messages": turns}, "messages") == turns[:2]
+    assert distill.prompt_messages({"messages": turns[:2]}, "messages") == turns[:2]
+    for row, fmt in [
+        ({"answer": "a"}, "gsm8k"),
+        ({"messages": turns[2:]}, "messages"),
+        ({}, "messages"),
+    ]:
+        with pytest.raises(SkipRow, match="missing_field"):
+            distill.prompt_messages(row, fmt)
+
+
+def answer_for(tok, prompt_ids):
+    """The stub decoder's rule: the last user turn's text says what the model answers."""
+    text = tok.decode(prompt_ids)
+    if "loop" in text:
+        return tok.encode("and so on " * 10)  # never ends: past the budget
+    if "silent" in text:
+        return []
+    return tok.encode(text.split("user")[-1].split("assistant")[0].strip().upper())
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """An `Opened` with the Qwen2 tokenizer and no model, and `decode.generate` replaced by
+    `answer_for` (budget-cut, EOS-padded outputs as the decoder returns them); ``calls``
+    counts the batches decoded, ``fail_at`` makes that batch raise (a kill)."""
+    tok = load_tokenizer(None)
+    opened = sources.Opened("m", None, tok, 0, 1, tuple(tok.eos_ids), tok.pad_id, None)
+    state = {"calls": 0, "fail_at": None}
+
+    def generate(model, ids, lengths, options, *, seed, eos_ids, mask_id):
+        state["calls"] += 1
+        if state["calls"] == state["fail_at"]:
+            raise KeyboardInterrupt
+        rows = len(ids)
+        tokens = np.full((rows, options.max_new_tokens), eos_ids[-1], np.int32)
+        out_lengths = np.zeros(rows, np.int32)
+        for r in range(rows):
+            answer = answer_for(tok, ids[r, : lengths[r]].tolist())[: options.max_new_tokens]
+            tokens[r, : len(answer)], out_lengths[r] = answer, len(answer)
+        ones = np.ones(rows, np.int32)
+        return decode.DecodeOutput(tokens, out_lengths, out_lengths + 1, ones, 1)
+
+    monkeypatch.setattr(decode, "generate", generate)
+    return opened, state
+
+
+QUESTIONS = ["one", "two loop", "three", "silent four", "five", "six", "seven"]
+
+
+def write_rows(path, questions=QUESTIONS):
+    path.write_text("".join(json.dumps({"question": q, "answer": "x"}) + "\n" for q in questions))
+    return str(path)
+
+
+def run(opened, rows_path, output, *, batch_size=2, settings=None):
+    skips = collections.Counter()
+    prompts = distill.read_prompts(
+        rows_path, "gsm8k", opened.tokenizer, max_prompt_tokens=64, limit=None, skips=skips
+    )
+    progress = distill.Progress(str(output), settings or {"batch_size": batch_size})
+    progress.resume()
+    options = DecodeOptions(block_size=1, threshold=1.0, max_new_tokens=BUDGET)
+    distill.distill(opened, prompts, options, progress, batch_size=batch_size)
+    return progress
+
+
+def test_answers_are_written_in_order_and_the_others_counted(stubbed, tmp_path):
+    opened, _ = stubbed
+    output = tmp_path / "out.jsonl"
+    progress = run(opened, write_rows(tmp_path / "q.jsonl"), output)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    kept = [i for i, q in enumerate(QUESTIONS) if "loop" not in q and "silent" not in q]
+    assert [r["source_row"] for r in rows] == kept
+    for r in rows:
+        question = QUESTIONS[r["source_row"]]
+        assert r["messages"] == [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": question.upper()},
+        ]
+    assert progress.skips == {"budget": 1, "empty": 1}
+    saved = json.loads((tmp_path / "out.jsonl.progress.json").read_text())
+    assert (saved["done"], saved["written"], saved["size"]) == (7, 5, output.stat().st_size)
+
+
+def test_a_killed_run_resumes_to_what_one_run_writes(stubbed, tmp_path):
+    opened, state = stubbed
+    rows_path = write_rows(tmp_path / "q.jsonl")
+    run(opened, rows_path, tmp_path / "whole.jsonl")
+    whole = (tmp_path / "whole.jsonl").read_text()
+    cut = tmp_path / "cut.jsonl"
+    state.update(calls=0, fail_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        run(opened, rows_path, cut)
+    with open(cut, "a") as f:
+        f.write('{"messages": [{"role": "us')  # a batch the kill left half written
+    state.update(calls=0, fail_at=None)
+    progress = run(opened, rows_path, cut)
+    assert state["calls"] == 2  # batches 3 and 4 of 4: the first two are not decoded again
+    assert cut.read_text() == whole
+    assert progress.skips == {"budget": 1, "empty": 1}
+
+
+def test_other_settings_or_a_foreign_output_are_refused(stubbed, tmp_path):
+    opened, _ = stubbed
+    rows_path = write_rows(tmp_path / "q.jsonl")
+    run(opened, rows_path, tmp_path / "out.jsonl")
+    with pytest.raises(InputError, match="batch_size=2, not 3"):
+        run(opened, rows_path, tmp_path / "out.jsonl", batch_size=3)
+    (tmp_path / "theirs.jsonl").write_text("{}\n")
+    with pytest.raises(AlreadyExists, match="theirs.jsonl: exists without"):
+        run(opened, rows_path, tmp_path / "theirs.jsonl")
+    assert (tmp_path / "theirs.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.subprocess
+def test_smollm2s_answers_are_transformers_greedy_decode_and_train_as_rows(smollm2_dir, tmp_path):
+    """The CLI on SmolLM2 (one batch of 2 and one of 1): each written answer is the text of
+    transformers' greedy decode of the same rendered prompt, and tokenized as a training row its
+    labels are those ids and the closing <|im_end|>."""
+    import torch
+    import transformers
+
+    from mars_jax.chat_rows import tokenize_chat
+
+    prompts = ["What is 2 + 2? Answer with the number only.", "Say hello.", "Name a colour."]
+    rows_path = tmp_path / "prompts.jsonl"
+    rows_path.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts)
+    )
+    output = tmp_path / "self.jsonl"
+    proc = run_python(
+        "-m",
+        "mars_jax.distill",
+        f"--workdir={smollm2_dir}",
+        f"--rows={rows_path}",
+        f"--output={output}",
+        "--batch_size=2",
+        "--max_new_tokens=48",
+    )
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert summary["rows"] == len(rows) and sum(summary["skipped"].values()) + len(rows) == 3
+    assert len(rows) >= 2, summary  # short answers: at most one may run past the budget
+
+    tok = load_tokenizer(smollm2_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, torch_dtype=torch.float32
+    )
+    im_end = tok.encode("<|im_end|>")
+    for row in rows:
+        prompt = row["messages"][:-1]
+        ids = tok.apply_chat_template(prompt, add_generation_prompt=True)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=im_end
+            )[0, len(ids) :].tolist()
+        assert out[-1] == im_end[0], "transformers' answer ends within the budget"
+        assert row["messages"][-1] == {"role": "assistant", "content": tok.decode(out[:-1])}
+        input_ids, labels = tokenize_chat(tok, row["messages"], max_length=256, block_size=1)
+        assert [t for t in labels.tolist() if t >= 0] == out
