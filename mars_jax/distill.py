@@ -21,7 +21,8 @@ Not written, counted by reason and logged: rows without a prompt (``missing_fiel
 
 Resumable: after each batch the output is flushed and ``OUTPUT.progress.json`` records the rows
 done, the counts and the output's size; a rerun with the same flags goes on from there (a batch
-cut short by a kill is dropped from the output and decoded again). A rerun with other settings,
+cut short by a kill is dropped from the output and decoded again), and one with a larger
+``--limit`` goes on past it. A rerun with other settings,
 or an output without its progress file, is refused rather than mixed. Local files only.
 """
 
@@ -271,7 +272,6 @@ def main() -> None:
             "step": opened.step,
             "rows": os.path.abspath(rows.value),
             "format": fmt.value,
-            "limit": limit.value,
             "max_prompt_tokens": max_prompt.value,
             "seed": seed.value,
             "batch_size": batch_size.value,
