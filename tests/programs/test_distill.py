@@ -83,10 +83,10 @@ def write_rows(path, questions=QUESTIONS):
     return str(path)
 
 
-def run(opened, rows_path, output, *, batch_size=2, settings=None):
+def run(opened, rows_path, output, *, batch_size=2, settings=None, limit=None):
     skips = collections.Counter()
     prompts = distill.read_prompts(
-        rows_path, "gsm8k", opened.tokenizer, max_prompt_tokens=64, limit=None, skips=skips
+        rows_path, "gsm8k", opened.tokenizer, max_prompt_tokens=64, limit=limit, skips=skips
     )
     progress = distill.Progress(str(output), settings or {"batch_size": batch_size})
     progress.resume()
@@ -129,6 +129,11 @@ def test_a_killed_run_resumes_to_what_one_run_writes(stubbed, tmp_path):
     assert state["calls"] == 2  # batches 3 and 4 of 4: the first two are not decoded again
     assert cut.read_text() == whole
     assert progress.skips == {"budget": 1, "empty": 1}
+    # A first part (--limit), then the rest: the same file again.
+    part = tmp_path / "part.jsonl"
+    assert run(opened, rows_path, part, limit=3).done == 3
+    run(opened, rows_path, part)
+    assert part.read_text() == whole
 
 
 def test_other_settings_or_a_foreign_output_are_refused(stubbed, tmp_path):
