@@ -136,8 +136,9 @@ def answer_rows(
 
 class Progress:
     """``OUTPUT.progress.json``: the settings, input rows done, rows written, answers skipped by
-    reason (``skips``) and the output's size after the last whole batch. `resume` cuts the output back to that size (a batch a kill left half
-    written), `save` records a batch after its rows are on disk."""
+    reason (``skips``) and the output's size after the last whole batch. `resume` cuts the
+    output back to that size (a batch a kill left half written); `save` records a batch after
+    its rows are on disk."""
 
     def __init__(self, output: str, settings: dict):
         self.output, self.path, self.settings = output, output + ".progress.json", settings
