@@ -9,7 +9,8 @@ For each step s of ``--eval_steps`` whose rows ``--output`` does not hold yet fo
 (default: the objective, ``mars`` or ``ar``): train to s (`train.train` with
 ``train.stop_at=s``, resuming the workdir's last checkpoint), evaluate checkpoint s
 (`evaluate.evaluate`: ``eval.*``, e.g. 32 GSM8K test questions at 1.0 / 0.95 / 0.9 / 0.8), and
-append one row per threshold:
+append one row per threshold (the file is re-read under a lock before each write, so several
+runs, e.g. ``mars`` and ``ar``, may add their points to one file at the same time):
 
   {run, step, rows_seen, threshold, tokens_per_forward, accuracy, agreement, nll, mean_length,
    learning_rate, train_hours}
@@ -27,6 +28,8 @@ segment in flight. The JSON is rewritten whole after each point.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -47,7 +50,7 @@ def read_rows(path: str) -> list[dict]:
 
 def write_rows(path: str, rows: list[dict]) -> None:
     rows = sorted(rows, key=lambda r: (r["run"], r["step"], -r["threshold"]))
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(rows, f, indent=1)
         f.write("\n")
@@ -116,10 +119,23 @@ def curve(cfg, workdir: str, steps: list[int], output: str, run: str) -> list[di
             clock[str(step)] += time.time() - start
             storage.write_text(clock_path, json.dumps(clock))
         hours = clock.get(str(step), 0.0) / 3600
-        rows = [r for r in rows if not (r["run"] == run and r["step"] == step)]
-        rows += point(cfg, workdir, step, run, hours)
-        write_rows(output, rows)
+        new = point(cfg, workdir, step, run, hours)
+        with _locked(output):  # other runs may add their points to the same file meanwhile
+            rows = [r for r in read_rows(output) if not (r["run"] == run and r["step"] == step)]
+            rows += new
+            write_rows(output, rows)
     return rows
+
+
+@contextlib.contextmanager
+def _locked(output: str):
+    """An exclusive lock on ``output`` (a lock file beside it) for a read-modify-write."""
+    with open(output + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -111,8 +111,24 @@ def test_the_self_distilled_run_trains_on_answer_rows(tmp_path, smollm2_dir):
     cfg.eval.update(num_examples=2, batch_size=2, nll_examples=2, max_new_tokens=4)
     cfg.eval.thresholds = (1.0,)
     workdir = str(tmp_path / "runs" / "self")
-    points = smollm2_curve.curve(cfg, workdir, [2], str(tmp_path / "curve.json"), "self")
-    assert [(p["run"], p["step"]) for p in points] == [("self", 2)]
+    output = tmp_path / "curve.json"
+    theirs = {"run": "mars", "step": 7, "rows_seen": 28, "threshold": 1.0, "nll": 1.0}
+    theirs.update(tokens_per_forward=1.0, accuracy=0.0, mean_length=9.0, agreement=1.0)
+    output.write_text(json.dumps([theirs]))
+    real_point = smollm2_curve.point
+
+    def point(*args):  # another run adds a point while this one trains and evaluates
+        output.write_text(json.dumps([theirs, {**theirs, "step": 8}]))
+        return real_point(*args)
+
+    smollm2_curve.point = point
+    try:
+        rows = smollm2_curve.curve(cfg, workdir, [2], str(output), "self")
+    finally:
+        smollm2_curve.point = real_point
+    assert [(r["run"], r["step"]) for r in rows] == [("mars", 7), ("mars", 8), ("self", 2)]
+    assert json.loads(output.read_text()) == rows
+    points = [r for r in rows if r["run"] == "self"]
     metrics = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
     assert points[0]["rows_seen"] == sum(m["rows"] for m in metrics) > 0
     assert json.loads(open(f"{workdir}/config.json").read())["data"]["source"] == "messages"
