@@ -20,7 +20,7 @@ Not written, counted by reason and logged: rows without a prompt (``missing_fiel
 ``--max_new_tokens``: cut answers would teach the model to stop mid-way) and ``empty`` answers.
 
 Resumable: after each batch the output is flushed and ``OUTPUT.progress.json`` records the rows
-done, the counts and the output's size; a rerun with the same flags goes on from there (a batch
+done, the counts, the output's size and the decoding time; a rerun with the same flags goes on from there (a batch
 cut short by a kill is dropped from the output and decoded again), and one with a larger
 ``--limit`` goes on past it. A rerun with other settings,
 or an output without its progress file, is refused rather than mixed. Local files only.
@@ -142,7 +142,7 @@ class Progress:
 
     def __init__(self, output: str, settings: dict):
         self.output, self.path, self.settings = output, output + ".progress.json", settings
-        self.done, self.written, self.size = 0, 0, 0
+        self.done, self.written, self.size, self.seconds = 0, 0, 0, 0.0
         self.skips: collections.Counter = collections.Counter()
 
     def resume(self) -> None:
@@ -163,6 +163,7 @@ class Progress:
                     f"not {value!r}; give a new --output, or the same settings to resume"
                 )
         self.done, self.written, self.size = saved["done"], saved["written"], saved["size"]
+        self.seconds = saved.get("seconds", 0.0)
         self.skips.update(saved["skipped"])
         if output_exists:
             with open(self.output, "r+b") as f:
@@ -171,12 +172,15 @@ class Progress:
             "%s: resuming after %d input rows (%d written)", self.output, self.done, self.written
         )
 
-    def save(self, rows_done: int, rows: list[dict]) -> None:
+    def save(self, rows_done: int, rows: list[dict], seconds: float = 0.0) -> None:
+        """Appends ``rows`` (the answers of the input rows before ``rows_done``, decoded in
+        ``seconds``), then records them."""
         with open(self.output, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
             f.flush()
             os.fsync(f.fileno())
         self.done, self.written = rows_done, self.written + len(rows)
+        self.seconds += seconds
         self.size = os.path.getsize(self.output)
         state = {
             "settings": self.settings,
@@ -184,6 +188,7 @@ class Progress:
             "written": self.written,
             "size": self.size,
             "skipped": dict(self.skips),
+            "seconds": round(self.seconds, 1),
         }
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
@@ -207,8 +212,9 @@ def distill(
     uninterrupted run would."""
     todo = [p for p in prompts if p.row >= progress.done]
     width = max((len(p.ids) for p in prompts), default=1)
-    start, tokens = time.time(), 0
+    tokens, spent = 0, 0.0  # this process's
     for b in range(0, len(todo), batch_size):
+        start = time.time()
         batch = todo[b : b + batch_size]
         ids = np.full((batch_size, width), opened.pad_id, np.int32)
         lengths = np.ones((batch_size,), np.int32)
@@ -226,16 +232,18 @@ def distill(
         )
         rows = answer_rows(opened, batch, out, options.max_new_tokens, progress.skips)
         following = todo[b + batch_size].row if b + batch_size < len(todo) else None
-        progress.save(following if following is not None else batch[-1].row + 1, rows)
+        took = time.time() - start
+        spent += took
+        progress.save(following if following is not None else batch[-1].row + 1, rows, took)
         tokens += int(out.lengths[: len(batch)].sum())
-        elapsed = time.time() - start
         logging.info(
-            "%d / %d prompts, %d rows written, skipped %s, %.0f answer tokens/s",
+            "%d / %d prompts, %d rows written, skipped %s, %.1f h, %.0f answer tokens/s",
             min(b + batch_size, len(todo)),
             len(todo),
             progress.written,
             dict(progress.skips),
-            tokens / max(elapsed, 1e-9),
+            progress.seconds / 3600,
+            tokens / max(spent, 1e-9),
         )
 
 
@@ -304,7 +312,14 @@ def main() -> None:
         distill(opened, prompts, options, progress, batch_size=batch_size.value, seed=seed.value)
         skipped.update(progress.skips)
         print(
-            json.dumps({"output": output.value, "rows": progress.written, "skipped": dict(skipped)})
+            json.dumps(
+                {
+                    "output": output.value,
+                    "rows": progress.written,
+                    "skipped": dict(skipped),
+                    "hours": round(progress.seconds / 3600, 3),
+                }
+            )
         )
 
     cli.run(run)
