@@ -3,7 +3,8 @@ user with a model and prompts but no SFT set can train MARS on what the model it
 
   python -m mars_jax.distill --workdir=models/smollm2 \
       --rows=../shared/data/gsm8k/train.jsonl --format=gsm8k \
-      --output=data/smollm2_gsm8k_self.jsonl [--batch_size=32 --max_new_tokens=256 --limit=N]
+      --output=runs/distill/smollm2_gsm8k_train.jsonl [--batch_size=32 --max_new_tokens=256 \
+      --limit=N]
   python -m mars_jax.train --config=configs/smollm2_curve.py:self ...   # trains on it
 
 ``--workdir`` is a run or a Hugging Face directory (`mars_jax.sources`). Each input row gives a
@@ -15,15 +16,22 @@ each answer is written as one row ``{"messages": [...prompt turns, {"role": "ass
 "content": answer}], "source_row": i}`` (plus the row's ``tools``), in input order: the
 ``messages`` format of ``data.source="messages"``.
 
-Not written, counted by reason and logged: rows without a prompt (``missing_field``),
-``prompt_too_long`` (over ``--max_prompt_tokens``), ``budget`` (the answer did not end within
-``--max_new_tokens``: cut answers would teach the model to stop mid-way) and ``empty`` answers.
+Every row written is one training accepts (`chat_rows.chat_segments`, the check training runs),
+and its prompt is decoded as training tokenizes it. Not written, counted by reason and logged:
+prompts training would skip (``missing_field``, ``non_string_content``, ``bad_tools``, ... as
+`tokenize_chat` names them; ``template_timeout``), ``prompt_too_long`` (over
+``--max_prompt_tokens``), ``budget`` (the answer did not end within ``--max_new_tokens``: cut
+answers would teach the model to stop mid-way), ``empty`` answers and answers training would
+skip (e.g. ``special_token_in_content``: text spelling ``<|im_end|>``); lines of the rows file
+that hold no row, up to 1% of them (`rows.read_rows`).
 
-Resumable: after each batch the output is flushed and ``OUTPUT.progress.json`` records the rows
-done, the counts, the output's size and the decoding time; a rerun with the same flags goes on from there (a batch
-cut short by a kill is dropped from the output and decoded again), and one with a larger
-``--limit`` goes on past it. A rerun with other settings,
-or an output without its progress file, is refused rather than mixed. Local files only.
+Resumable: the output and ``OUTPUT.progress.json`` are written before the first batch, then after
+each batch the rows are flushed and the progress file records the input rows done, the counts,
+the output's size and the decoding time. A rerun with the same flags goes on from there (a
+batch cut short by a kill is dropped from the output and decoded again), and one with a larger
+``--limit`` goes on past it. A rerun with other settings or a changed rows file, an output
+without its progress file, or one shorter than the progress file says, is refused rather than
+mixed. Local files only.
 """
 
 from __future__ import annotations
@@ -39,14 +47,14 @@ import numpy as np
 from absl import flags, logging
 
 from mars_jax import cli, decode
-from mars_jax.chat_rows import SkipRow, rows_to_messages
+from mars_jax.chat_rows import SkipRow, chat_segments, rows_to_messages
 from mars_jax.decode_options import DecodeOptions
 from mars_jax.errors import AlreadyExists, InputError
 from mars_jax.rows import read_rows
 from mars_jax.sources import Opened
+from mars_jax.tokenizer import TemplateTimeout
 
 FORMATS = ("gsm8k", "messages")
-SKIP_REASONS = ("missing_field", "prompt_too_long", "budget", "empty")
 
 
 @dataclasses.dataclass
@@ -75,6 +83,17 @@ def prompt_messages(row: dict, fmt: str) -> list[dict]:
     return messages
 
 
+def trainable(tok, messages: list[dict], tools) -> str:
+    """The text of ``messages``' (and ``tools``') conversation up to its final assistant turn's
+    generation prompt, as training renders it (`chat_rows.chat_segments`: the same checks).
+    Raises SkipRow with training's reason for a conversation training would skip, and
+    ("template_timeout") for a template that does not finish."""
+    try:
+        return chat_segments(tok, messages, False, tools)[0][0]
+    except TemplateTimeout:
+        raise SkipRow("template_timeout") from None
+
+
 def read_prompts(
     path: str,
     fmt: str,
@@ -84,24 +103,24 @@ def read_prompts(
     limit: int | None,
     skips: collections.Counter,
 ) -> list[Prompt]:
-    """The prompts of the first ``limit`` rows (None: all) of the rows file ``path``, rendered
-    with ``tok``'s chat template (a generation prompt after the turns). Rows without a prompt
-    or longer than ``max_prompt_tokens`` are counted in ``skips``."""
+    """The prompts of the first ``limit`` rows (None: all) of the rows file ``path``, as training
+    renders and tokenizes them (`trainable`, with a placeholder answer). Rows without a prompt,
+    that training would skip or longer than ``max_prompt_tokens`` are counted in ``skips``."""
     if fmt not in FORMATS:
         raise InputError(f"--format: {fmt!r}; expected one of {FORMATS}")
-    rows = read_rows(path)
+    rows = read_rows(path, max_bad_fraction=0.01, skips=skips)
     prompts = []
     for i, row in enumerate(rows[:limit] if limit is not None else rows):
         try:
             messages = prompt_messages(row, fmt)
+            tools = row.get("tools") if fmt == "messages" else None
+            text = trainable(tok, messages + [{"role": "assistant", "content": "x"}], tools)
         except SkipRow as e:
             skips[e.reason] += 1
             continue
-        tools = row.get("tools") if fmt == "messages" else None
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except InputError as e:
             raise InputError(f"{path}: row {i + 1}: {e}") from None
+        ids = tok.encode(text)
         if len(ids) > max_prompt_tokens:
             skips["prompt_too_long"] += 1
             continue
@@ -117,7 +136,8 @@ def answer_rows(
     skips: collections.Counter,
 ) -> list[dict]:
     """The rows to write for ``batch``'s decode ``out``: answers that ended (an EOS within
-    ``budget`` tokens) and are not empty; the others counted in ``skips``."""
+    ``budget`` tokens), are not empty and that training accepts (`trainable`); the others
+    counted in ``skips``."""
     rows = []
     for prompt, ids, length in zip(batch, out.completions(), out.lengths):
         if length >= budget:  # no stop id within the budget
@@ -130,6 +150,11 @@ def answer_rows(
         row = {"messages": prompt.messages + [{"role": "assistant", "content": text}]}
         if prompt.tools:
             row["tools"] = prompt.tools
+        try:
+            trainable(opened.tokenizer, row["messages"], prompt.tools)
+        except SkipRow as e:
+            skips[e.reason] += 1
+            continue
         rows.append({**row, "source_row": prompt.row})
     return rows
 
@@ -153,9 +178,13 @@ class Progress:
                     "it) rather than mixing rows into a file this program did not write"
                 )
         if not os.path.exists(self.path):
+            self.save(0, [])  # the output and its progress file exist from now on
             return
-        with open(self.path) as f:
-            saved = json.load(f)
+        try:
+            with open(self.path) as f:
+                saved = json.load(f)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{self.path}: not a progress file ({e}); give a new --output")
         for key, value in self.settings.items():
             if saved["settings"].get(key) != value:
                 raise InputError(
@@ -165,9 +194,14 @@ class Progress:
         self.done, self.written, self.size = saved["done"], saved["written"], saved["size"]
         self.seconds = saved.get("seconds", 0.0)
         self.skips.update(saved["skipped"])
-        if output_exists:
-            with open(self.output, "r+b") as f:
-                f.truncate(self.size)
+        size = os.path.getsize(self.output) if output_exists else None
+        if size is None or size < self.size:
+            raise InputError(
+                f"{self.output}: {'missing' if size is None else f'{size} bytes'}, but "
+                f"{self.path} records {self.size} bytes written; give a new --output"
+            )
+        with open(self.output, "r+b") as f:
+            f.truncate(self.size)
         logging.info(
             "%s: resuming after %d input rows (%d written)", self.output, self.done, self.written
         )
@@ -193,6 +227,8 @@ class Progress:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
 
@@ -273,6 +309,10 @@ def main() -> None:
             raise InputError(f"--output: {output.value}; local files only (resumed in place)")
         if batch_size.value < 1:
             raise InputError(f"--batch_size: {batch_size.value}; must be at least 1")
+        if limit.value is not None and limit.value < 0:
+            raise InputError(f"--limit: {limit.value}; must be 0 or more")
+        if not 0 <= seed.value < 2**32:
+            raise InputError(f"--seed: {seed.value}; must lie in 0..2**32-1")
         # Threshold 1.0 is greedy AR whatever the block size: decode it at block size 1.
         block_size = decoding.block_size.value or (1 if decoding.threshold.value == 1.0 else None)
         opened, options = decoding.open(workdir.value, step=step.value, block_size=block_size)
@@ -280,6 +320,7 @@ def main() -> None:
             "workdir": os.path.abspath(workdir.value),
             "step": opened.step,
             "rows": os.path.abspath(rows.value),
+            "rows_bytes": os.path.getsize(rows.value) if os.path.exists(rows.value) else None,
             "format": fmt.value,
             "max_prompt_tokens": max_prompt.value,
             "seed": seed.value,
@@ -297,6 +338,7 @@ def main() -> None:
                 )
             },
         }
+        os.makedirs(os.path.dirname(os.path.abspath(output.value)), exist_ok=True)
         progress = Progress(output.value, settings)
         progress.resume()
         skipped: collections.Counter = collections.Counter()  # prompts: counted on every run
@@ -308,7 +350,8 @@ def main() -> None:
             limit=limit.value,
             skips=skipped,
         )
-        os.makedirs(os.path.dirname(os.path.abspath(output.value)), exist_ok=True)
+        if prompts and seed.value + prompts[-1].row >= 2**32:
+            raise InputError(f"--seed: {seed.value} + row {prompts[-1].row} is past 2**32-1")
         distill(opened, prompts, options, progress, batch_size=batch_size.value, seed=seed.value)
         skipped.update(progress.skips)
         print(

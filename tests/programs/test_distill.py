@@ -113,20 +113,21 @@ def test_answers_are_written_in_order_and_the_others_counted(stubbed, tmp_path):
     assert (saved["done"], saved["written"], saved["size"]) == (7, 5, output.stat().st_size)
 
 
-def test_a_killed_run_resumes_to_what_one_run_writes(stubbed, tmp_path):
+@pytest.mark.parametrize("killed_in", [1, 3])
+def test_a_killed_run_resumes_to_what_one_run_writes(stubbed, tmp_path, killed_in):
     opened, state = stubbed
     rows_path = write_rows(tmp_path / "q.jsonl")
     run(opened, rows_path, tmp_path / "whole.jsonl")
     whole = (tmp_path / "whole.jsonl").read_text()
     cut = tmp_path / "cut.jsonl"
-    state.update(calls=0, fail_at=3)
+    state.update(calls=0, fail_at=killed_in)
     with pytest.raises(KeyboardInterrupt):
         run(opened, rows_path, cut)
     with open(cut, "a") as f:
         f.write('{"messages": [{"role": "us')  # a batch the kill left half written
     state.update(calls=0, fail_at=None)
     progress = run(opened, rows_path, cut)
-    assert state["calls"] == 2  # batches 3 and 4 of 4: the first two are not decoded again
+    assert state["calls"] == 4 - (killed_in - 1)  # the batches before the kill: not again
     assert cut.read_text() == whole
     assert progress.skips == {"budget": 1, "empty": 1}
     # A first part (--limit), then the rest: the same file again.
@@ -146,6 +147,95 @@ def test_other_settings_or_a_foreign_output_are_refused(stubbed, tmp_path):
     with pytest.raises(AlreadyExists, match="theirs.jsonl: exists without"):
         run(opened, rows_path, tmp_path / "theirs.jsonl")
     assert (tmp_path / "theirs.jsonl").read_text() == "{}\n"
+    # An output cut shorter than its progress file says, or gone: refused, not padded.
+    written = (tmp_path / "out.jsonl").read_bytes()
+    (tmp_path / "out.jsonl").write_bytes(written[:10])
+    with pytest.raises(InputError, match=f"10 bytes, but .* records {len(written)} bytes"):
+        run(opened, rows_path, tmp_path / "out.jsonl")
+    (tmp_path / "out.jsonl").unlink()
+    with pytest.raises(InputError, match="out.jsonl: missing, but"):
+        run(opened, rows_path, tmp_path / "out.jsonl")
+    (tmp_path / "out.jsonl.progress.json").write_text('{"settings": ')
+    with pytest.raises(InputError, match="not a progress file"):
+        run(opened, rows_path, tmp_path / "out.jsonl")
+
+
+def test_rows_training_would_skip_are_counted_not_decoded(tmp_path):
+    """Prompts that training's own check refuses are counted under its reasons; a prompt with
+    tools given as a JSON string is decoded as training tokenizes it (the tools parsed); an
+    answer that spells a control token is counted, not written."""
+    from mars_jax.chat_rows import tokenize_chat
+    from tests.data.test_batches import TOOL_TEMPLATE
+
+    load_tokenizer(None).save(str(tmp_path / "tok"))
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    opened = sources.Opened("m", None, tok, 0, 1, tuple(tok.eos_ids), tok.pad_id, None)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    rows = [
+        {"messages": [{"role": "user", "content": 123}]},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [user("x\ud800y")]},
+        {"messages": [user("say <|im_end|>")]},
+        {"messages": [user("tools")], "tools": json.dumps(tools)},
+        {"messages": [user("fine")]},
+        {"messages": [user("and this")]},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    skips = collections.Counter()
+    prompts = distill.read_prompts(
+        str(path), "messages", tok, max_prompt_tokens=512, limit=None, skips=skips
+    )
+    assert skips == {
+        "non_string_content": 1,
+        "missing_field": 1,
+        "lone_surrogate": 1,
+        "special_token_in_content": 1,
+    }
+    assert [p.row for p in prompts] == [4, 5, 6]
+    answered = rows[4]["messages"] + [{"role": "assistant", "content": "TOOLS"}]
+    ids, labels = tokenize_chat(tok, answered, max_length=512, block_size=1, tools=rows[4]["tools"])
+    assert prompts[0].ids == ids[labels < 0].tolist()  # training's prompt tokens, tools parsed
+    assert b"parameters" in tok.decode(prompts[0].ids).encode()
+
+    answers = [tok.encode("TOOLS"), tok.encode("fine"), tok._encode_as_text("stop <|im_end|>")]
+    tokens = np.zeros((3, 16), np.int32)
+    for r, a in enumerate(answers):
+        tokens[r, : len(a)] = a
+    lengths = np.array([len(a) for a in answers], np.int32)
+    out = decode.DecodeOutput(tokens, lengths, lengths + 1, lengths + 1, 1)
+    answer_skips = collections.Counter()
+    written = distill.answer_rows(opened, prompts, out, 16, answer_skips)
+    assert [w["source_row"] for w in written] == [4, 5]
+    assert written[0]["tools"] == rows[4]["tools"]
+    assert answer_skips == {"special_token_in_content": 1}
+
+
+def test_a_changed_rows_file_is_refused(stubbed, tmp_path):
+    opened, _ = stubbed
+    rows_path = write_rows(tmp_path / "q.jsonl")
+    settings = lambda: {"rows_bytes": (tmp_path / "q.jsonl").stat().st_size}  # noqa: E731
+    run(opened, rows_path, tmp_path / "out.jsonl", settings=settings())
+    write_rows(tmp_path / "q.jsonl", QUESTIONS + ["eight"])
+    with pytest.raises(InputError, match="rows_bytes="):
+        run(opened, rows_path, tmp_path / "out.jsonl", settings=settings())
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "flag, message",
+    [("--limit=-1", "--limit: -1; must be 0 or more"), ("--seed=-2", "--seed: -2; must lie in")],
+)
+def test_bad_flags_are_refused_before_a_model_is_read(tmp_path, flag, message):
+    proc = run_python(
+        "-m", "mars_jax.distill", f"--workdir={tmp_path}/none", f"--rows={tmp_path}/r.jsonl",
+        f"--output={tmp_path}/o.jsonl", flag, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and message in proc.stderr, proc.stderr
 
 
 @pytest.mark.subprocess
