@@ -105,7 +105,8 @@ def read_prompts(
 ) -> list[Prompt]:
     """The prompts of the first ``limit`` rows (None: all) of the rows file ``path``, as training
     renders and tokenizes them (`trainable`, with a placeholder answer). Rows without a prompt,
-    that training would skip or longer than ``max_prompt_tokens`` are counted in ``skips``."""
+    that training would skip or longer than ``max_prompt_tokens`` are counted in ``skips``;
+    InputError (naming the format's field) when no row gives a prompt."""
     if fmt not in FORMATS:
         raise InputError(f"--format: {fmt!r}; expected one of {FORMATS}")
     rows = read_rows(path, max_bad_fraction=0.01, skips=skips)
@@ -125,6 +126,16 @@ def read_prompts(
             skips["prompt_too_long"] += 1
             continue
         prompts.append(Prompt(i, messages, tools, ids))
+    if not prompts:
+        fields = {"gsm8k": "question", "messages": "messages"}
+        other = "messages" if fmt == "gsm8k" else "gsm8k"
+        hint = ""
+        if rows and isinstance(rows[0], dict) and fields[other] in rows[0]:
+            hint = f" (its first row has {fields[other]!r}: --format={other}?)"
+        raise InputError(
+            f"{path}: none of its {len(rows)} rows gives a prompt (skipped: {dict(skips)}); "
+            f"--format={fmt} reads {fields[fmt]!r} from each row{hint}"
+        )
     return prompts
 
 
@@ -338,9 +349,6 @@ def main() -> None:
                 )
             },
         }
-        os.makedirs(os.path.dirname(os.path.abspath(output.value)), exist_ok=True)
-        progress = Progress(output.value, settings)
-        progress.resume()
         skipped: collections.Counter = collections.Counter()  # prompts: counted on every run
         prompts = read_prompts(
             rows.value,
@@ -350,8 +358,11 @@ def main() -> None:
             limit=limit.value,
             skips=skipped,
         )
-        if prompts and seed.value + prompts[-1].row >= 2**32:
+        if seed.value + prompts[-1].row >= 2**32:
             raise InputError(f"--seed: {seed.value} + row {prompts[-1].row} is past 2**32-1")
+        os.makedirs(os.path.dirname(os.path.abspath(output.value)), exist_ok=True)
+        progress = Progress(output.value, settings)
+        progress.resume()
         distill(opened, prompts, options, progress, batch_size=batch_size.value, seed=seed.value)
         skipped.update(progress.skips)
         print(

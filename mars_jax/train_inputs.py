@@ -290,7 +290,8 @@ def run_data(cfg, workdir: str) -> RunData:
         raise SettingError(
             "train.batch_size",
             t.batch_size,
-            f"{len(units)} {what} cannot fill a batch of {t.batch_size}",
+            f"{len(units)} {what} cannot fill a batch of {t.batch_size}: give "
+            f"train.batch_size <= {len(units)}, or more training rows",
         )
     num_steps = t.num_steps or max(1, int(t.num_epochs * (len(units) // t.batch_size)))
     return RunData(tok, vocab_map, model_cfg, units, num_steps)

@@ -326,7 +326,10 @@ def test_no_libtpu_errors_without_jax_platforms(tmp_path):
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1] == "error: train.batch_size=16: 1 examples cannot fill a batch of 16", lines
+    assert lines[-1] == (
+        "error: train.batch_size=16: 1 examples cannot fill a batch of 16: give "
+        "train.batch_size <= 1, or more training rows"
+    ), lines
     for bad in ("TPU", "libtpu", "InitGoogle", "E0000", "Source Location Trace"):
         assert not any(bad in line for line in lines), proc.stderr[-3000:]
 

@@ -215,6 +215,15 @@ def test_rows_training_would_skip_are_counted_not_decoded(tmp_path):
     assert answer_skips == {"special_token_in_content": 1}
 
 
+def test_rows_of_the_other_format_are_refused_with_a_hint(tmp_path):
+    rows_path = write_rows(tmp_path / "q.jsonl")
+    with pytest.raises(InputError, match=r"none of its 7 rows gives a prompt .*'question': --for"):
+        distill.read_prompts(
+            rows_path, "messages", load_tokenizer(None), max_prompt_tokens=64, limit=None,
+            skips=collections.Counter(),
+        )  # fmt: skip
+
+
 def test_a_changed_rows_file_is_refused(stubbed, tmp_path):
     opened, _ = stubbed
     rows_path = write_rows(tmp_path / "q.jsonl")
