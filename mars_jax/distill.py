@@ -41,7 +41,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from absl import flags, logging
@@ -63,7 +63,7 @@ class Prompt:
 
     row: int
     messages: list[dict]
-    tools: list[dict] | None
+    tools: Any  # the row's tools as given (a list, or a string holding one), or None
     ids: list[int]
 
 
