@@ -230,6 +230,8 @@ def run_subs(request) -> dict:
         "runs/gsm8k": lambda: request.getfixturevalue("gsm8k_run"),
         "models/smollm2": lambda: request.getfixturevalue("smollm2_dir"),
         "runs/smollm2": lambda: request.getfixturevalue("smollm2_runs"),
+        # The learning curve's runs (configs/smollm2_curve.py): the same stand-ins (mars/).
+        "runs/curve": lambda: request.getfixturevalue("smollm2_runs"),
     }
 
 

@@ -351,7 +351,8 @@ def run_serve_one_user(commands, request, tmp_path):
     needs_shared_data()
     for i, command in enumerate(commands):
         out = tmp_path / f"out{i}"
-        extra = ["--num_prompts=1", "--passes=2", "--max_new_tokens=4", f"--output_dir={out}"]
+        extra = ["--num_prompts=1", "--passes=2", "--max_new_tokens=4", "--thresholds=1.0"]
+        extra.append(f"--output_dir={out}")
         run_command(command, extra, subs=resolve_subs(command, request))
         rows = json.loads((out / "serve_one_user.json").read_text())["rows"]
         assert [(r["threshold"], r["prompts"], r["same_text"]) for r in rows] == [(1.0, 2, 2)]
