@@ -191,7 +191,12 @@ BACKGROUND = {
         "decode_speed_both",
     },
     "two_stage_synthetic": {"two_stage_synthetic", "decode_speed_trained", "serve_load"},
-    "two_stage_gsm8k": {"two_stage_gsm8k", "gsm8k_ar_control", "decode_speed_trained"},
+    "two_stage_gsm8k": {
+        "two_stage_gsm8k",
+        "gsm8k_ar_control",
+        "decode_speed_trained",
+        "serve_one_user",
+    },
     "claims_smoke": {"claims_smoke"},
 }
 
@@ -230,8 +235,9 @@ def run_subs(request) -> dict:
         "runs/gsm8k": lambda: request.getfixturevalue("gsm8k_run"),
         "models/smollm2": lambda: request.getfixturevalue("smollm2_dir"),
         "runs/smollm2": lambda: request.getfixturevalue("smollm2_runs"),
-        # The learning curve's runs (configs/smollm2_curve.py): the same stand-ins (mars/).
-        "runs/curve": lambda: request.getfixturevalue("smollm2_runs"),
+        # The learning curve's runs (configs/smollm2_curve.py, GSM8K prompts): the GSM8K smoke
+        # run (mars/, ar/), whose vocabulary holds GSM8K's ids (the synthetic run's does not).
+        "runs/curve": lambda: request.getfixturevalue("gsm8k_run"),
     }
 
 
