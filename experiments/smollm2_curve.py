@@ -22,8 +22,10 @@ run up to s (this machine, as measured by this script). Step 0 is the untuned ``
 (a Hugging Face directory), evaluated at threshold 1.0 as an AR model (it has no mask row yet),
 its report in ``untuned/`` beside the workdir (nothing is written into the model's own).
 The plot (``--output`` with ".png"): tokens per forward at 0.9 and 0.8 against step and against
-rows seen, and the AR NLL of every run. A rerun resumes where it stopped; a kill loses at most the
-segment in flight. The JSON is rewritten whole after each point.
+rows seen, and the AR NLL of every run. A rerun resumes where it stopped: a SIGTERM or Ctrl-C
+saves the step reached and keeps its training time (the unfinished segment gives no point; the
+script exits saying so), a kill loses the steps since the last checkpoint and the segment's
+clock. The JSON is rewritten whole after each point.
 """
 
 from __future__ import annotations
@@ -114,10 +116,19 @@ def curve(cfg, workdir: str, steps: list[int], output: str, run: str) -> list[di
             c = cfg.copy_and_resolve_references()
             c.train.stop_at = step if step < cfg.train.num_steps else 0
             start = time.time()
-            train.train(c, workdir)
-            clock[str(step)] = clock.get(str(max(map(int, clock), default=0)), 0.0)
-            clock[str(step)] += time.time() - start
-            storage.write_text(clock_path, json.dumps(clock))
+            last = train.train(c, workdir)
+            reached = int(last.get("step", step))  # no "step": the run was already at ``step``
+            # The clock is keyed by the step training reached (a signal may end it early), each
+            # segment added to the time of the latest step before it.
+            latest = max(map(int, clock), default=0)
+            if reached > latest:
+                clock[str(reached)] = clock.get(str(latest), 0.0) + time.time() - start
+                storage.write_text(clock_path, json.dumps(clock))
+            if reached != step:
+                raise SystemExit(
+                    f"{workdir}: training stopped at step {reached} ({last.get('stopped_by')}) "
+                    f"before step {step}; rerun the same command to go on"
+                )
         hours = clock.get(str(step), 0.0) / 3600
         new = point(cfg, workdir, step, run, hours)
         with _locked(output):  # other runs may add their points to the same file meanwhile

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from experiments import smollm2_curve
-from mars_jax import config
+from mars_jax import config, train
 from tests.helpers import ROOT, config_file, write_smol_layout
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def test_both_stages_pass_the_checks():
     assert own.to_dict() == mars.to_dict()
 
 
-def test_the_curve_evaluates_each_step_once(tmp_path, smollm2_dir):
+def test_the_curve_evaluates_each_step_once(tmp_path, smollm2_dir, monkeypatch):
     if not GSM8K.exists():
         pytest.skip("needs ../shared/data")
     model, _ = write_smol_layout(tmp_path / "smol", smollm2_dir)
@@ -40,7 +40,7 @@ def test_the_curve_evaluates_each_step_once(tmp_path, smollm2_dir):
     rows_file.write_text("".join((GSM8K / "train.jsonl").read_text().splitlines(True)[:24]))
     cfg = load("mars")
     cfg.init_from, cfg.data.train_path = str(model), str(rows_file)
-    cfg.train.update(num_steps=4, save_every=2)
+    cfg.train.update(num_steps=6, save_every=2)
     cfg.data.max_length = 128
     cfg.eval.update(num_examples=2, batch_size=2, nll_examples=2, max_new_tokens=4)
     cfg.eval.thresholds = (1.0, 0.9)
@@ -73,6 +73,20 @@ def test_the_curve_evaluates_each_step_once(tmp_path, smollm2_dir):
     assert (tmp_path / "curve.png").stat().st_size > 1000
     assert smollm2_curve.curve(cfg, workdir, [0, 2, 4], str(out), "mars") == rows  # nothing new
     assert len(list((tmp_path / "runs" / "mars" / "eval").glob("step_*.json"))) == 2
+
+    # A signal ends the segment to step 6 at step 5 (saved): no point, the clock keeps step 5,
+    # and the rerun's point counts both segments' training time.
+    with monkeypatch.context() as m:
+        m.setattr(train.Preemption, "stop", lambda self, done: done == 5)
+        with pytest.raises(SystemExit, match="stopped at step 5 .* before step 6"):
+            smollm2_curve.curve(cfg, workdir, [6], str(out), "mars")
+    assert json.loads(out.read_text()) == rows
+    clock = json.loads(open(f"{workdir}/curve_train_seconds.json").read())
+    assert sorted(map(int, clock)) == [2, 4, 5] and clock["4"] < clock["5"]
+    six = [r for r in smollm2_curve.curve(cfg, workdir, [6], str(out), "mars") if r["step"] == 6]
+    clock = json.loads(open(f"{workdir}/curve_train_seconds.json").read())
+    assert clock["5"] < clock["6"] and six[0]["train_hours"] == round(clock["6"] / 3600, 4)
+    assert [m["step"] for m in map(json.loads, open(f"{workdir}/metrics.jsonl"))] == [*range(1, 7)]
 
 
 def test_the_self_distilled_run_trains_on_answer_rows(tmp_path, smollm2_dir):
