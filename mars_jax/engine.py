@@ -514,10 +514,10 @@ class Engine:
             )
             if stream.request.logprobs is not None:
                 self._add_logprobs(update, new, slot, stream.request.logprobs)
+            if update.done:  # the slot is free before its client hears it is done
+                self._streams[slot], free[slot] = None, True
             if fresh or update.done:
                 stream.put(update)
-            if update.done:
-                self._streams[slot], free[slot] = None, True
         self.state = self.decoder.free(self.state, free)
         self.healthy, self._failed_in_a_row = True, 0  # a decoding turn went through
         return self.active > 0 or bool(self._waiting or self._prefills)

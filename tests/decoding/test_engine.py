@@ -186,6 +186,21 @@ def test_cancel_frees_the_slot(model):
     assert tokens == alone(model, second)
 
 
+def test_a_finished_request_has_left_its_slot_when_its_client_hears_so(model):
+    """What a client sees after its last update (the metrics' slots in use, a scrape right
+    after) counts its slot free: the slot is released before the last update is handed over."""
+    eng = qwen_engine(
+        model, slots=2, max_prompt_len=WIDTH, max_new_tokens=MAX_NEW, block_size=B, steps_per_call=1
+    )
+    seen = []
+    record = lambda update: update.done and seen.append((eng.active, eng.waiting))
+    for request in requests(2, seed=5):
+        eng.submit(request, on_update=record)
+    while eng.run_once():
+        pass
+    assert seen == [(1, 0), (0, 0)]  # the first to finish sees the other's slot only
+
+
 @pytest.mark.parametrize(
     "change, field",
     [
