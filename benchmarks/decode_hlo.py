@@ -5,7 +5,7 @@ r"""How the per-row KV-cache write and the decoder's per-row reads compile for T
       [--json] [--config.model.<key>=<value> ...]
 
 Decoding writes each row's T new keys/values into its cache [R, S, K, H] at the row's own slot
-offset (`mars_jax.kv_cache.write_window`), and `mars_jax.decode` reads and writes per-row windows of
+offset (`mars_jax.kv_cache.write_new`, into the stacked cache), and `mars_jax.decode` reads and writes per-row windows of
 its token ids [R, S] and reads its hidden states [R, T, D] the same way. A ``vmap`` of
 ``lax.dynamic_update_slice`` / ``dynamic_slice`` is a scatter / gather, which libtpu may expand
 into a serial ``while`` loop over the rows (jax-ml/jax#21367, openxla/xla#12982).
@@ -16,7 +16,7 @@ script lowers and compiles ahead of time for an abstract TPU topology (libtpu, n
 - ``forward``: one cached decode forward of the model as `mars_jax.decode` runs it
   (``Qwen2.__call__`` on T query slots against S cache slots, each row at its own offset, the
   cache donated as in the decoder's loop), its cache write replaced by each of `WRITES`
-  ("model": `mars_jax.kv_cache.write_window` as the model calls it);
+  ("model": `mars_jax.kv_cache.write_new` as the model calls it);
 - ``write``: the write alone, on one layer's keys [R, S, K, H] (T new per row) and on the token
   ids [R, S] (the B = (T + 1) // 2 candidates of a step, as `mars_jax.decode` writes them);
 - ``read``: each of `READS` on the token ids [R, S] -> [R, T] (the step's window) and on the
@@ -67,6 +67,7 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+from typing import Sequence  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import jax  # noqa: E402
@@ -81,6 +82,7 @@ from mars_jax import cli, decode, kv_cache, sharding  # noqa: E402
 from mars_jax import config as config_lib  # noqa: E402
 from mars_jax import model as model_lib
 from mars_jax.decode_state import DecoderSettings, RowSettings  # noqa: E402
+from mars_jax.decoder import Decoder  # noqa: E402
 from mars_jax.tokenizer import DEFAULT_EOS_IDS, MASK_ID  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +161,12 @@ def write_unrolled_dus(x, new, start):
     return x
 
 
-# "model" is whatever mars_jax.kv_cache.write_window is now (as mars_jax.model calls it).
+def _model_layer_write(x, new, start):
+    """The model's write (`mars_jax.kv_cache.write_new`) on one layer's keys [R, S, K, H]."""
+    return kv_cache.write_new(x[None], new[None], start)[0]
+
+
+# "model" is the model's own write (`mars_jax.kv_cache.write_new`, into the stacked cache).
 WRITES = {
     "model": None,
     "vmap_dus": write_vmap_dus,
@@ -216,12 +223,22 @@ READS = {
 
 @contextlib.contextmanager
 def model_write(name: str):
-    """Within the block, the model writes its cache with `WRITES[name]` ("model": unchanged)."""
+    """Within the block, the model writes a forward's new keys/values with `WRITES[name]`,
+    applied to each layer of the stacked cache (``vmap`` over the layers; "model": unchanged,
+    `mars_jax.kv_cache.write_cache`)."""
     if WRITES[name] is None:
         yield
-    else:
-        with mock.patch.object(model_lib, "write_window", WRITES[name]):
-            yield
+        return
+    original = model_lib.write_cache
+    per_layer = jax.vmap(WRITES[name], in_axes=(0, 0, None))
+
+    def write_cache(cache, new, start):
+        if start is None:
+            return original(cache, new, start)
+        return {n: per_layer(cache[n], new[n].astype(cache[n].dtype), start) for n in cache}
+
+    with mock.patch.object(model_lib, "write_cache", write_cache):
+        yield
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,6 +327,62 @@ def while_loops(text: str, rows: int) -> list[dict]:
     return loops
 
 
+# Opcodes that carry a cache-shaped buffer without touching its elements, and the in-place writes.
+_CARRIERS = ("parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call")
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+_SHAPE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \(?([a-z0-9]+)\[([\d,]*)\]")
+
+
+def loop_computations(text: str) -> set[str]:
+    """The computations that run inside a ``while`` loop of HLO module ``text``: its bodies and
+    conditions and everything they call, nested loops included."""
+    comps = _computations(text)
+    todo = [
+        m.group(1)
+        for lines in comps.values()
+        for line in lines
+        if _opcode(line) == "while"
+        for m in re.finditer(r"(?:body|condition)=%?([\w.\-]+)", line)
+    ]
+    seen = set()
+    while todo:
+        c = todo.pop()
+        if c not in seen and c in comps:
+            seen.add(c)
+            todo += [x for line in comps[c] for x in _called(line)]
+    return seen
+
+
+def cache_rewrites(text: str, cache_shapes: Sequence[Sequence[int]]) -> list[str]:
+    """Instructions inside a loop of HLO module ``text`` that make a buffer shaped like the KV
+    cache (any of ``cache_shapes``, in any order of its dimensions: the stacked cache [L, R, S,
+    K, H] or one layer [R, S, K, H]) other than by an in-place write: a copy, broadcast,
+    transpose, select or any other op or fusion whose result is cache-shaped, but for a
+    dynamic-update-slice or scatter (a fusion whose root is one), and the carriers (parameters,
+    tuples, loops, branches). Each as "computation: instruction", the instruction cut at its
+    operands. Empty for a loop that writes its cache in place and reads only slices of it."""
+    comps = _computations(text)
+    wanted = {tuple(sorted(shape)) for shape in cache_shapes}
+    found = []
+    for name in sorted(loop_computations(text)):
+        for line in comps[name]:
+            m = _SHAPE.match(line)
+            op = _opcode(line)
+            if not m or op in _CARRIERS or op in _IN_PLACE:
+                continue
+            dims = tuple(sorted(int(d) for d in m.group(2).split(",") if d))
+            if dims not in wanted:
+                continue
+            if op == "fusion":
+                (callee,) = _called(line)[:1] or [None]
+                roots = [x for x in comps.get(callee, []) if x.lstrip().startswith("ROOT")]
+                if roots and _opcode(roots[0]) in _IN_PLACE:
+                    continue
+            lhs = line.strip().removeprefix("ROOT ").split(" = ")[0]
+            found.append(f"{name}: {lhs} = {m.group(1)}[{m.group(2)}] {op}")
+    return found
+
+
 def optimal(seconds: float | None) -> dict:
     """libtpu's ``optimal_seconds`` estimate split into {"optimal_us": the estimate of the ops it
     could estimate, "unestimated": how many it could not}. As read from its values (not from
@@ -321,8 +394,9 @@ def optimal(seconds: float | None) -> dict:
     return {"optimal_us": round((seconds + n) * 1e6, 2), "unestimated": n}
 
 
-def hlo_summary(compiled, rows_per_device: int) -> dict:
-    """While loops (`while_loops`), op counts, cost and memory analysis of a compiled program."""
+def hlo_summary(compiled, rows_per_device: int, cache_shapes=()) -> dict:
+    """While loops (`while_loops`), op counts, cost and memory analysis of a compiled program,
+    and its `cache_rewrites` of ``cache_shapes``."""
     text = compiled.as_text()
     loops = while_loops(text, rows_per_device)
     cost = compiled.cost_analysis()
@@ -331,16 +405,22 @@ def hlo_summary(compiled, rows_per_device: int) -> dict:
     counts = {
         op: 0 for op in _SLICING + ("all-gather", "all-reduce", "all-to-all", "collective-permute")
     }
+    collectives = []
     for lines in _computations(text).values():
         for line in lines:
             op = _opcode(line)
             if op in counts:
                 counts[op] += 1
+            if op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+                m = _SHAPE.match(line)
+                collectives.append(f"{op} {m.group(1)}[{m.group(2)}]" if m else op)
     return {
         "while_loops": len(loops),
         "row_loops": sum(lp["row_loop"] for lp in loops),
+        "cache_rewrites": cache_rewrites(text, cache_shapes),
         "loops": loops,
         "ops": {k: v for k, v in counts.items() if v},
+        "collectives": sorted(set(collectives)),
         "flops": cost.get("flops"),
         "bytes_accessed": cost.get("bytes accessed"),
         **optimal(cost.get("optimal_seconds")),
@@ -359,8 +439,7 @@ def decode_forward(graphdef, params, ids, cache, start):
     position start[r] + j, attending to cache slots <= its position. Returns (hidden, cache)."""
     model = nnx.merge(graphdef, params)
     pos = start[:, None] + jnp.arange(ids.shape[1])
-    mask = jnp.arange(cache["k"].shape[2])[None, None, :] <= pos[:, :, None]
-    return model(ids, pos, mask, cache, start)
+    return model(ids, pos, None, cache, start)
 
 
 def abstract_inputs(cfg, rows, window, slots, param_sharding, row_sharding):
@@ -440,7 +519,9 @@ def compile_writes(cfg, devices, *, rows, slots, windows, writes, emit) -> list[
             x = jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(len(shape), 0))
             new = jax.ShapeDtypeStruct(new_shape, dtype, sharding=row_sharding(len(shape), 0))
             for name in writes:
-                write = WRITES[name] or kv_cache.write_window
+                write = WRITES[name] or (
+                    _model_layer_write if what == "k" else kv_cache.write_window
+                )
                 row = {
                     "kind": "write",
                     "array": what,
@@ -593,6 +674,9 @@ DECODERS = {
     "block": ("block", "prob"),
     "verify": ("sliding", "verify"),
     "none": ("none", "prob"),
+    # The serving engine's unit of work: `Decoder.steps` (4 forwards, its state donated) of the
+    # sliding decoder, on one device.
+    "steps": ("sliding", "prob"),
 }
 
 
@@ -642,14 +726,22 @@ def compile_decoders(
             )
         )
         t0 = time.perf_counter()
-        compiled = decode._generate.lower(
+        inputs = (
             params,
             arg((rows, prompt_len), jnp.int32),
             arg((rows,), jnp.int32),
             jax.tree.map(lambda a: arg(a.shape, a.dtype), row_settings),
-            graphdef=graphdef,
-            settings=settings,
-        ).compile()
+        )
+        if name == "steps":
+            decoder = Decoder(graphdef, settings)
+            state = jax.eval_shape(lambda *a: decoder.prefill(*a), *inputs)
+            compiled = Decoder.steps.lower(decoder, params, state, 4).compile()
+        else:
+            compiled = decode._generate.lower(
+                *inputs, graphdef=graphdef, settings=settings
+            ).compile()
+        per_device = rows // len(devices)
+        layer = (per_device, settings.slots(prompt_len), cfg.num_kv_heads, cfg.head_dim)
         result = {
             "kind": "decoder",
             "scheme": name,
@@ -657,7 +749,12 @@ def compile_decoders(
             "rows": rows,
             "devices": len(devices),
             "max_forwards": settings.max_forwards,
-            **hlo_summary(compiled, rows // len(devices)),
+            # cache mode "none" has no cache (its full forwards have a cache's dimensions)
+            **hlo_summary(
+                compiled,
+                per_device,
+                [] if cache_mode == "none" else [layer, (cfg.num_layers, *layer)],
+            ),
             "compile_s": round(time.perf_counter() - t0, 1),
         }
         out.append(result)
@@ -713,9 +810,10 @@ def main() -> None:
     cpu_forwards = flags.DEFINE_integer("cpu_forwards", 8, "Forwards per timed CPU call.")
     cpu_repeats = flags.DEFINE_integer("cpu_repeats", 5, "Timed CPU calls (0: no CPU timing).")
     decoders = flags.DEFINE_list(
-        "decoders", [], f"Whole decoders to lower, of {list(DECODERS)} (prompt 8, 8 new tokens)."
+        "decoders", [], f"Whole decoders to lower, of {list(DECODERS)} (8 new tokens)."
     )
     block_size = flags.DEFINE_integer("block_size", 4, "Block size of the --decoders.")
+    prompt_len = flags.DEFINE_integer("prompt_len", 8, "Prompt width of the --decoders.")
     as_json = flags.DEFINE_bool("json", False, "Print JSON lines instead of tables.")
 
     def run():
@@ -747,7 +845,7 @@ def main() -> None:
                 cfg,
                 devices,
                 rows=rows.value,
-                prompt_len=8,
+                prompt_len=prompt_len.value,
                 max_new_tokens=8,
                 block_size=block_size.value,
                 decoders=decoders.value,

@@ -320,8 +320,7 @@ def _jax_prefill(graphdef, params, ids, *, slots: int):
     rows, width = ids.shape
     pos = jnp.broadcast_to(jnp.arange(width), (rows, width))
     cache = init_cache(model.cfg, rows, slots)
-    mask = jnp.arange(slots)[None, None, :] <= pos[:, :, None]
-    return model(ids, pos, mask, cache)[1]
+    return model(ids, pos, None, cache)[1]
 
 
 def prefill_run(s: Subject, family: str, *, batch: int, block_size: int):

@@ -338,7 +338,7 @@ def parts(
     def layers(params, cache, ids):
         model = nnx.merge(graphdef, params)
         pos = start[:, None] + jnp.arange(ids.shape[1])
-        return model(ids, pos, jnp.arange(slots)[None, None, :] <= pos[:, :, None], cache, start)
+        return model(ids, pos, None, cache, start)
 
     @jax.jit
     def projection(params, hidden):

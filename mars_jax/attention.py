@@ -17,6 +17,10 @@ softmax, by one of `IMPLEMENTATIONS` (``ModelConfig.attention``):
 - "cudnn": cuDNN's fused attention through ``jax.nn.dot_product_attention(implementation=
   "cudnn")`` (NVIDIA GPUs only; not exercised on CPU).
 
+Decoding attends with `attend_cache` instead: a window of new positions sees itself (causally)
+and the KV cache's slots before it, read ``CACHE_CHUNK`` slots at a time up to the longest live
+row (an online softmax), so a step costs what the rows hold, not the slots allocated.
+
 Packed sequences (several rows in one, `mars_jax.packing`) pass a `Segmented` mask: a static
 pattern and segment ids, a query attending only to keys of its own segment; splash takes the
 segment ids as its kernel's ``SegmentIds``, the other implementations fold them into the mask.
@@ -121,6 +125,90 @@ def _chunked(q, k, v, mask):
 
     out = jax.lax.map(block, (split(qp), split(full)))  # [blocks, R, QUERY_CHUNK, N, H]
     return out.swapaxes(0, 1).reshape(r, blocks * QUERY_CHUNK, n, h)[:, :t]
+
+
+# Slots per chunk of `attend_cache`: the work past a batch's longest live row is under a chunk.
+CACHE_CHUNK = 128
+
+
+def attend_cache(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_k: jax.Array | None,
+    cache_v: jax.Array | None,
+    layer: jax.Array | int,
+    cached: jax.Array | None,
+    chunk: int = CACHE_CHUNK,
+) -> jax.Array:
+    """Grouped-query attention of a window of T new positions against itself and the KV cache:
+    q [R, T, N, H] and the window's own keys and values k, v [R, T, K, H]; query t of row r
+    attends to window keys 0..t (causal) and to slots 0 .. cached[r] - 1 of layer ``layer`` of
+    the stacked cache cache_k, cache_v [L, R, S, K, H] (``cached`` int32 [R]: the slots before
+    the window; None, or no cache: the window alone, a prefill). -> [R, T, N, H] in q's dtype.
+
+    The cache is only read: ``chunk`` slots at a time up to the batch's largest ``cached`` (a
+    ``while`` loop of ceil(max(cached) / chunk) trips; the last chunk of a cache whose S is not a
+    multiple ends at S, the slots it repeats masked out), with an online softmax (fp32 scores,
+    running max and sum) that starts from the window's scores. Nothing past the longest live row
+    is read, no slice of the cache's size is made, and the caller writes the window's keys and
+    values afterwards (`mars_jax.kv_cache.write_new`). The same arithmetic as `attend`'s "xla"
+    path (keys and values in q's dtype, the scale after the product, probabilities cast to q's
+    dtype) but for the order of the softmax's sums.
+    """
+    r, t, n, h = q.shape
+    kv = k.shape[2]
+    g = n // kv
+    qg = q.reshape(r, t, kv, g, h)
+    scale = jnp.float32(h**-0.5)
+    neg = jnp.finfo(jnp.float32).min
+
+    def part(keys, values, ok, m, l, acc):
+        """The online softmax's state after keys, values [R, C, K, H] where ok [R, T, C]."""
+        scores = jnp.einsum(
+            "rtkgh,rckh->rkgtc", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32
+        )
+        ok = ok[:, None, None]  # [R, 1, 1, T, C]
+        scores = jnp.where(ok, scores * scale, neg)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.where(ok, jnp.exp(scores - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum(
+            "rkgtc,rckh->rkgth",
+            p.astype(q.dtype),
+            values.astype(q.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (r, t, t))
+    m, l, acc = part(
+        k,
+        v,
+        causal,
+        jnp.full((r, kv, g, t), neg, jnp.float32),
+        jnp.zeros((r, kv, g, t), jnp.float32),
+        jnp.zeros((r, kv, g, t, h), jnp.float32),
+    )
+    if cache_k is not None and cached is not None:
+        s = cache_k.shape[2]
+        c = min(chunk, s)
+        layer = jnp.asarray(layer, jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+
+        def body(i, carry):
+            first = jnp.minimum(i * c, s - c)
+            at = (layer, zero, first, zero, zero)
+            keys = jax.lax.dynamic_slice(cache_k, at, (1, r, c, kv, h))[0]  # [R, C, K, H]
+            values = jax.lax.dynamic_slice(cache_v, at, (1, r, c, kv, h))[0]
+            slot = first + jnp.arange(c)
+            ok = (slot >= i * c)[None, :] & (slot[None, :] < cached[:, None])  # [R, C]
+            return part(keys, values, jnp.broadcast_to(ok[:, None], (r, t, c)), *carry)
+
+        trips = (jnp.max(cached) + c - 1) // c
+        m, l, acc = jax.lax.fori_loop(0, trips, body, (m, l, acc))
+    out = acc / l[..., None]  # [R, K, G, T, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h).astype(q.dtype)
 
 
 SPLASH_BLOCK = 128  # the kernel's default tiles: 128 queries x 128 keys

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from flax import nnx
 from mars_jax import acceptance
 from mars_jax.decode_state import DecodeResult, DecoderSettings, DecodeState, NewTokens, RowSettings
 from mars_jax.errors import InputError
-from mars_jax.kv_cache import init_cache, read_window, write_window
+from mars_jax.kv_cache import KVCache, init_cache, read_window, write_cache, write_window
 from mars_jax.model import CausalLM, causal_mask
 from mars_jax.sharding import with_logical_constraint
 
@@ -30,6 +30,31 @@ from mars_jax.sharding import with_logical_constraint
 def _rowwise(x: jax.Array) -> jax.Array:
     """``x`` [R, ...] constrained to rows over the batch axes (where a mesh is active)."""
     return with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+class Write(NamedTuple):
+    """A forward's cache write, made after its branch is chosen: ``new`` {"k","v"} [L, R, T, K,
+    H] at slots start[r] + 0..T-1 of each row (`mars_jax.kv_cache.write_cache`); ``new`` None
+    where there is no cache (cache mode ``none``)."""
+
+    new: KVCache | None
+    start: jax.Array
+
+
+def _written(s: DecodeState, write: Write) -> DecodeState:
+    """``s`` with ``write`` made into its cache."""
+    if write.new is None:
+        return s
+    return s.replace(cache=write_cache(s.cache, write.new, write.start))
+
+
+def _padded(write: Write, width: int) -> Write:
+    """``write`` with its new keys/values zero-padded to ``width`` slots (within the cache:
+    `DecoderSettings.slots` leaves two windows past the budget)."""
+    if write.new is None:
+        return write
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2]), (0, 0), (0, 0)))
+    return write._replace(new=jax.tree.map(pad, write.new))
 
 
 _static_self = functools.partial(jax.jit, static_argnums=0)
@@ -114,8 +139,8 @@ class Decoder:
         chunk's queries attend to every slot up to their own position, the earlier chunks'."""
         with self._on_mesh():
             model = nnx.merge(self.graphdef, params)
-            _, cache = self._forward(model, ids, start, state.cache)
-            return state.replace(cache=cache)
+            _, new = self._forward(model, ids, start, state.cache)
+            return state.replace(cache=write_cache(state.cache, new, start))
 
     @_static_self
     def step(self, params, state: DecodeState) -> DecodeState:
@@ -140,7 +165,7 @@ class Decoder:
         """One forward of the program `step` runs as ``name`` (one of `branches`), alone: what a
         step costs in each of its cases."""
         with self._on_mesh():
-            return self._branch(nnx.merge(self.graphdef, params), state, name)
+            return _written(*self._branch(nnx.merge(self.graphdef, params), state, name))
 
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
     def insert(self, state: DecodeState, group: DecodeState, slots) -> DecodeState:
@@ -288,13 +313,14 @@ class Decoder:
         return acceptance.argmax(logits)
 
     def _forward(self, model: CausalLM, ids, start, cache):
-        """ids [R, W] at positions start[r] + 0..W-1 against the cache (written first), or a
-        full causal forward from position 0 without a cache. Returns (hidden [R, W, D], cache)."""
+        """ids [R, W] at positions (and slots) start[r] + 0..W-1 against the cache, which is only
+        read, or a full causal forward from position 0 without a cache. Returns (hidden
+        [R, W, D], the window's new keys and values {"k","v"} [L, R, W, K, H], or None without
+        a cache) for `write_cache` at ``start``."""
         pos = start[:, None] + jnp.arange(ids.shape[1])
         if cache is None:
-            return model(ids, pos, causal_mask(ids.shape[1]))
-        slot_ids = jnp.arange(cache["k"].shape[2])
-        return model(ids, pos, slot_ids[None, None, :] <= pos[:, :, None], cache, start)
+            return model(ids, pos, causal_mask(ids.shape[1]))[0], None
+        return model.extend(ids, pos, cache, start)
 
     def _budget(self, s: DecodeState) -> jax.Array:
         return jnp.minimum(s.row_settings.max_new_tokens - s.new_tokens, s.row_settings.max_accept)
@@ -303,7 +329,6 @@ class Decoder:
         self,
         s: DecodeState,
         *,
-        cache,
         tokens,
         count,
         hit_eos,
@@ -327,7 +352,6 @@ class Decoder:
             at = jnp.broadcast_to(row_forwards[:, None], accepted.shape)
             token_forwards = keep(write_window(s.token_forwards, at, s.committed), s.token_forwards)
         return s.replace(
-            cache=cache,
             tokens=_rowwise(keep(tokens, s.tokens)),
             committed=s.committed + count,
             cache_cursor=keep(cache_cursor, s.cache_cursor),
@@ -379,9 +403,7 @@ class Decoder:
         # Every prompt token's key/value; slots past a row's prompt hold stale values.
         positions = jnp.broadcast_to(jnp.arange(prompt_len), (rows, prompt_len))
         cache = init_cache(model.cfg, rows, slots)
-        hidden, cache = model(
-            prompt_ids, positions, jnp.arange(slots)[None, None, :] <= positions[:, :, None], cache
-        )
+        hidden, cache = model(prompt_ids, positions, None, cache)
         # sliding: the last prompt token starts the first window; block: the first block starts
         # after the prompt, and its first token is predicted from the prompt's last output.
         if st.cache_mode == "sliding":
@@ -406,7 +428,9 @@ class Decoder:
             return ("full",)
         return ("narrow", "wide") if st.adaptive_window and st.block_size > 1 else ("wide",)
 
-    def _branch(self, model, s: DecodeState, name: str) -> DecodeState:
+    def _branch(self, model, s: DecodeState, name: str) -> tuple[DecodeState, Write]:
+        """The state after branch ``name``'s forward, its cache not yet written, and the
+        `Write` that writes it."""
         if name not in self.branches:
             raise InputError(f"branch {name!r}: this decoder's are {self.branches}")
         if name == "fill":
@@ -418,17 +442,39 @@ class Decoder:
 
     def _step(self, model, s: DecodeState) -> DecodeState:
         st, B = self.settings, self.settings.block_size
-        run = lambda name: lambda s: self._branch(model, s, name)
         if st.cache_mode == "block":
             if B == 1:
-                return run("commit")(s)
+                return _written(*self._branch(model, s, "commit"))
             full = jnp.all(s.done | (s.committed - s.cache_cursor == B))
-            return jax.lax.cond(full, run("commit"), run("fill"), s)
+            return self._either(model, s, full, "commit", "fill")
         if len(self.branches) == 1:
-            return run(self.branches[0])(s)
+            return _written(*self._branch(model, s, self.branches[0]))
         # The widest window an active row needs: its uncached tokens and drafts, then B-1 masks.
         need = jnp.max(jnp.where(s.done, 0, s.committed + s.num_drafts - s.cache_cursor)) + B - 1
-        return jax.lax.cond(need <= B, run("narrow"), run("wide"), s)
+        return self._either(model, s, need <= B, "narrow", "wide")
+
+    def _either(self, model, s: DecodeState, pred, if_true: str, if_false: str) -> DecodeState:
+        """Branch ``if_true`` where ``pred`` (bool []) holds, else ``if_false``, in a
+        ``lax.cond`` that only reads the cache: each branch returns its state without the cache
+        and its window's new keys/values (the narrower padded to the wider: slots past a window
+        are stale, rewritten before they are read), written once after it, in place (a cache
+        updated inside a branch is copied whole by XLA, on CPU and TPU alike)."""
+        cache = s.cache
+        width = max(self._window_width(if_true), self._window_width(if_false))
+
+        def run(name):
+            def branch(bare):
+                out, write = self._branch(model, bare.replace(cache=cache), name)
+                return out.replace(cache=None), _padded(write, width)
+
+            return branch
+
+        out, write = jax.lax.cond(pred, run(if_true), run(if_false), s.replace(cache=None))
+        return _written(out.replace(cache=cache), write)
+
+    def _window_width(self, name: str) -> int:
+        st = self.settings
+        return {"narrow": st.block_size, "wide": st.window}.get(name, st.block_size)
 
     # -- sliding / none: a window from the first uncached position ------------------------------
     def _window_step(self, model, s: DecodeState, width: int) -> DecodeState:
@@ -441,7 +487,8 @@ class Decoder:
         fed = s.committed + s.num_drafts  # committed tokens and drafts; masks after them
         pos = start[:, None] + jnp.arange(width)
         ids = jnp.where(pos < fed[:, None], window_ids, st.mask_id)
-        hidden, cache = self._forward(model, ids, start, s.cache)
+        hidden, new = self._forward(model, ids, start, s.cache)
+        write = Write(new, start)
         # Output at position committed-1+i predicts token committed+i (i < B).
         first = s.committed - 1 - start
         logits = model.logits(read_window(hidden, first, B))  # [R, B, V]
@@ -453,13 +500,12 @@ class Decoder:
             count, hit_eos = acceptance.accept_count(token, ok, eos, self._budget(s))
             return self._advance(
                 s,
-                cache=cache,
                 tokens=write_window(s.tokens, token, s.committed),
                 count=count,
                 hit_eos=hit_eos,
                 cache_cursor=s.committed,
                 accepted=token,
-            )
+            ), write
         # verify: candidate i (i >= 1) is the AR prediction after draft i-1; it is exact while
         # every draft before it equals the AR prediction at its position.
         drafts = read_window(s.tokens, s.committed, B)
@@ -493,14 +539,13 @@ class Decoder:
             num_drafts = jnp.zeros_like(s.num_drafts)
         return self._advance(
             s,
-            cache=cache,
             tokens=tokens,
             count=count,
             hit_eos=hit_eos,
             cache_cursor=s.committed + count - 1,
             num_drafts=num_drafts,
             accepted=token,
-        )
+        ), write
 
     # -- block: the reference's block cache -------------------------------------------------------
     def _block_fill(self, model, s: DecodeState) -> DecodeState:
@@ -511,7 +556,7 @@ class Decoder:
         filled = s.committed - start
         block = read_window(s.tokens, start, B)
         ids = jnp.where(block_pos[None] < filled[:, None], block, st.mask_id)
-        hidden, cache = self._forward(model, ids, start, s.cache)  # block keys rewritten later
+        hidden, new = self._forward(model, ids, start, s.cache)  # block keys rewritten later
         # Candidate for block position i: the prefix's prediction (i = 0) or slot i-1's output.
         logits = model.logits(hidden[:, : B - 1])
         token = self._choose(s, logits, start[:, None] + block_pos[None, 1:])
@@ -526,15 +571,14 @@ class Decoder:
         )
         return self._advance(
             s,
-            cache=cache,
             tokens=write_window(s.tokens, cand, s.committed),
             count=count,
             hit_eos=hit_eos,
             cache_cursor=start,
             accepted=cand,
-        )
+        ), Write(new, start)
 
-    def _block_commit(self, model, s: DecodeState) -> DecodeState:
+    def _block_commit(self, model, s: DecodeState) -> tuple[DecodeState, Write]:
         B = self.settings.block_size
         if B == 1:  # the block's one token is the prefix's prediction: accept it, then commit
             eos = jnp.asarray(self.settings.eos_ids, jnp.int32)
@@ -544,7 +588,6 @@ class Decoder:
             )
             s = self._advance(
                 s,
-                cache=s.cache,
                 tokens=s.tokens,
                 count=count,
                 hit_eos=hit_eos,
@@ -552,25 +595,34 @@ class Decoder:
                 accepted=pending,
                 forward=False,
             )
-            write = functools.partial(self._write_block, model)
-            return jax.lax.cond(jnp.all(s.done), lambda s: s, write, s)
+            cache = s.cache
+
+            def write(bare):
+                out, write = self._write_block(model, bare.replace(cache=cache))
+                return out.replace(cache=None), write
+
+            def skip(bare):  # every row done: no forward (its write lands on stale slots)
+                new = jax.tree.map(lambda x: jnp.zeros_like(x[:, :, :1]), cache)
+                return bare, Write(new, bare.cache_cursor)
+
+            out, w = jax.lax.cond(jnp.all(s.done), skip, write, s.replace(cache=None))
+            return out.replace(cache=cache), w
         return self._write_block(model, s)
 
-    def _write_block(self, model, s: DecodeState) -> DecodeState:
+    def _write_block(self, model, s: DecodeState) -> tuple[DecodeState, Write]:
         B = self.settings.block_size
         start = s.cache_cursor
-        hidden, cache = self._forward(model, read_window(s.tokens, start, B), start, s.cache)
+        hidden, new = self._forward(model, read_window(s.tokens, start, B), start, s.cache)
         # The next block's first token.
         token = self._choose(s, model.logits(hidden[:, B - 1 :]), (start + B)[:, None])
         zero = jnp.zeros_like(start)
         return self._advance(
             s,
-            cache=cache,
             tokens=write_window(s.tokens, token, start + B),
             count=zero,
             hit_eos=zero.astype(bool),
             cache_cursor=start + B,
-        )
+        ), Write(new, start)
 
     def _result(self, s: DecodeState) -> DecodeResult:
         n = self.settings.max_new_tokens

@@ -1,10 +1,14 @@
 """The decoder's KV cache and the per-row windows that read and write it.
 
 A KV cache is a functional pytree (arrays in, arrays out): {"k", "v"}, each [L, R, S, K, H] (L
-layers, R rows, S slots, K kv heads, H head dim). `write_window` and `read_window` address row r
-of an array [R, N, ...] (a cache layer, or the decoder's token ids and hidden states) at its own
-offset, exactly, with one implementation per platform (see the comment above
-`SELECT_MAX_SLOTS`).
+layers, R rows, S slots, K kv heads, H head dim). A cached forward only reads it
+(`mars_jax.attention.attend_cache`, the slots the rows hold) and returns its new keys and
+values; `write_new` then writes them into it in place, once per forward, outside the layer loop
+and outside the decoder's branches (nothing of the cache's size is copied or rewritten per step).
+
+`write_window` and `read_window` address row r of an array [R, N, ...] (the decoder's token ids,
+hidden states and log-probabilities) at its own offset, exactly, with one implementation per
+platform (see the comment above `SELECT_MAX_SLOTS`).
 """
 
 from __future__ import annotations
@@ -88,6 +92,45 @@ def read_window(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
         tpu=functools.partial(_read_select, size=size),
         default=functools.partial(_read_dynamic, size=size),
     )
+
+
+def write_new(x: jax.Array, new: jax.Array, start: jax.Array | None) -> jax.Array:
+    """The stacked cache array ``x`` [L, R, S, K, H] with a forward's new keys or values ``new``
+    [L, R, T, K, H] written at slots ``start[r] .. start[r] + T - 1`` of each row r (every
+    layer; each window inside the cache), or from slot 0 of every row where ``start`` is None.
+
+    In place: XLA updates the buffer where it lies, so a step writes L x R x T slots and
+    touches nothing else. Off TPU one scatter of the R x T windows [L, K, H] (an in-place loop
+    over them on CPU, one kernel on GPU); on TPU one ``dynamic_update_slice`` per row (R small
+    in-place writes: libtpu compiles a scatter or a vmapped dynamic slice into a serial row loop
+    or relayout copies of the whole cache, jax-ml/jax#21367). Exact."""
+    new = new.astype(x.dtype)
+    if start is None:
+        return jax.lax.dynamic_update_slice(x, new, (0,) * x.ndim)
+    return jax.lax.platform_dependent(x, new, start, tpu=_write_rows, default=_write_scatter)
+
+
+def write_cache(cache: KVCache, new: KVCache, start: jax.Array | None) -> KVCache:
+    """``cache`` with the new keys and values ``new`` ({"k", "v"} [L, R, T, K, H]) written by
+    `write_new`."""
+    return {n: write_new(cache[n], new[n], start) for n in cache}
+
+
+def _write_scatter(x, new, start):
+    r, t = new.shape[1:3]
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None], (r, t))
+    slots = start[:, None] + jnp.arange(t)
+    return x.at[:, rows, slots].set(
+        new, indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds"
+    )
+
+
+def _write_rows(x, new, start):
+    zero = jnp.zeros((), jnp.int32)
+    for r in range(new.shape[1]):
+        at = (zero, jnp.int32(r), start[r].astype(jnp.int32), zero, zero)
+        x = jax.lax.dynamic_update_slice(x, new[:, r : r + 1], at)
+    return x
 
 
 def init_cache(cfg, batch: int, slots: int, dtype: Any = None) -> KVCache:

@@ -34,8 +34,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from mars_jax.attention import IMPLEMENTATIONS, Segmented, attend
-from mars_jax.kv_cache import KVCache, write_window
+from mars_jax.attention import IMPLEMENTATIONS, Segmented, attend, attend_cache
+from mars_jax.errors import InputError
+from mars_jax.kv_cache import KVCache, write_cache
 from mars_jax.sharding import Rules, check_heads, param_shardings, with_logical_constraint
 
 # Rematerialisation policies of a decoder layer's backward pass: keep every activation ("none"),
@@ -199,15 +200,15 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, cfg)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, cfg)
 
-    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-        """x [R, T, D]; mask bool broadcastable to [R, T, S] (a numpy array where the attention
-        implementation needs a static pattern, see `mars_jax.attention`); cache {"k","v"}
-        [R, S, K, H].
+    def __call__(self, x, cos, sin, mask, cache=None, layer=None, cached=None):
+        """x [R, T, D]; mask bool broadcastable to [R, T, T] (a numpy array where the attention
+        implementation needs a static pattern, see `mars_jax.attention`), or None with a cache.
 
-        With a cache, the new keys/values of row r are written at slots
-        ``cache_index[r] .. cache_index[r] + T - 1`` (from slot 0 in every row where
-        ``cache_index`` is None) before attending, and the mask indexes slots.
-        Returns (output [R, T, D], updated cache or None).
+        With a cache (the whole stacked {"k","v"} [L, R, S, K, H], only read; this is layer
+        ``layer``), the T inputs of row r follow its ``cached[r]`` cached slots (int32 [R], or
+        None: none) and attend to those and causally to each other
+        (`mars_jax.attention.attend_cache`). Returns (output [R, T, D], this window's new
+        {"k","v"} [R, T, K, H] with a cache, else None).
         """
         r, t, _ = x.shape
         cfg = self.cfg
@@ -217,13 +218,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).reshape(r, t, cfg.num_kv_heads, cfg.head_dim)
-        if cache is not None:
-            k = write_window(cache["k"], k.astype(cache["k"].dtype), cache_index)
-            v = write_window(cache["v"], v.astype(cache["v"].dtype), cache_index)
-            cache = {"k": k, "v": v}
-        # Decoding (with a cache) masks per row and slot: always the dense path.
-        out = attend(q, k, v, mask, "xla" if cache is not None else cfg.attention)
-        return self.o_proj(out.reshape(r, t, -1)), cache
+        if cache is None:
+            return self.o_proj(attend(q, k, v, mask, cfg.attention).reshape(r, t, -1)), None
+        dtype = cache["k"].dtype  # the window attends to its keys as the cache will hold them
+        new = {"k": k.astype(dtype), "v": v.astype(dtype)}
+        out = attend_cache(q, new["k"], new["v"], cache["k"], cache["v"], layer, cached)
+        return self.o_proj(out.reshape(r, t, -1)), new
 
 
 class MLP(nnx.Module):
@@ -248,10 +248,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
+    def __call__(self, x, cos, sin, mask, cache=None, layer=None, cached=None):
+        h, new = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, cached)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x)), new
 
 
 class CausalLM(nnx.Module):
@@ -289,7 +289,7 @@ class CausalLM(nnx.Module):
         self,
         input_ids: jax.Array,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: jax.Array | None,
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
@@ -298,17 +298,40 @@ class CausalLM(nnx.Module):
         Args:
           input_ids: int32 [R, T] token ids (< vocab_size).
           positions: int32 [R, T] rotary position ids (any values; the MARS layout repeats 0..L-1).
-          mask: bool, broadcastable to [R, T, S]; True where query t may attend to key s. Without a
-            cache S = T (keys are the inputs); with one, S is the number of cache slots. Or an
-            `attention.Segmented` mask (packed rows, no cache).
-          cache: optional KV cache from `mars_jax.kv_cache.init_cache`; new keys/values are
-            written before attending.
-          cache_index: int32 [R], first slot written for each row; None writes every row from
-            slot 0 (a prefill: no per-row offsets).
+          mask: bool, broadcastable to [R, T, T]; True where query t may attend to key s (the
+            inputs); or an `attention.Segmented` mask (packed rows). None with a cache.
+          cache: optional KV cache from `mars_jax.kv_cache.init_cache`: the inputs of row r are
+            its slots cache_index[r] .. cache_index[r] + T - 1, attend to the cached slots
+            before them and causally to each other (`extend`), and their keys/values are then
+            written there in place (`mars_jax.kv_cache.write_cache`).
+          cache_index: int32 [R], each row's first slot; None: slot 0 of every row (a prefill:
+            no per-row offsets, nothing cached before).
 
         Returns:
           (hidden states [R, T, D] after the final norm, in ``dtype``; updated cache or None).
         """
+        if cache is not None:
+            if mask is not None:
+                raise InputError("a cached forward is causal by slot: pass mask=None with a cache")
+            hidden, new = self.extend(input_ids, positions, cache, cache_index)
+            return hidden, write_cache(cache, new, cache_index)
+        return self._layers(input_ids, positions, mask, None, None)
+
+    def extend(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        cache_index: jax.Array | None,
+    ) -> tuple[jax.Array, KVCache]:
+        """The cached forward without its write: ids [R, T] at slots cache_index[r] + 0..T-1
+        (None: from slot 0, nothing cached before), attending to the cache's slots before them
+        (only read) and causally to each other. Returns (hidden [R, T, D], their keys and values
+        {"k","v"} [L, R, T, K, H]) for `mars_jax.kv_cache.write_cache`: the decoder writes once
+        per step, after choosing its branch, so that no branch rewrites the cache."""
+        return self._layers(input_ids, positions, None, cache, cache_index)
+
+    def _layers(self, input_ids, positions, mask, cache, cached):
         cfg = self.cfg
         if isinstance(mask, Segmented) and cfg.attention != "splash":
             mask = mask.dense()  # once, not in every layer (splash takes the segment ids)
@@ -316,11 +339,11 @@ class CausalLM(nnx.Module):
         x = with_logical_constraint(self.embed_tokens(input_ids), ACTIVATION_AXES)
         graphdef, stacked = nnx.split(self.layers)
 
-        def layer(x, params, layer_cache):
-            x, layer_cache = nnx.merge(graphdef, params)(
-                x, cos, sin, mask, layer_cache, cache_index
-            )
-            return with_logical_constraint(x, ACTIVATION_AXES), layer_cache
+        # The cache is a loop constant (each layer reads its own slices); the layers' new keys
+        # and values are the loop's stacked output, [L, R, T, K, H].
+        def layer(x, params, index):
+            x, new = nnx.merge(graphdef, params)(x, cos, sin, mask, cache, index, cached)
+            return with_logical_constraint(x, ACTIVATION_AXES), new
 
         if self.cfg.remat != "none":
             # Inside a scan XLA cannot merge the recomputed forward with the first one; unrolled,
@@ -330,16 +353,16 @@ class CausalLM(nnx.Module):
                 policy=_REMAT_POLICIES[self.cfg.remat],
                 prevent_cse=not self.cfg.scan_layers,
             )
+        indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if self.cfg.scan_layers:
-            x, cache = jax.lax.scan(lambda x, xs: layer(x, *xs), x, (stacked, cache))
+            x, new = jax.lax.scan(lambda x, xs: layer(x, *xs), x, (stacked, indices))
         else:
-            caches = []
+            news = []
             for i in range(self.cfg.num_layers):
-                at = lambda tree: jax.tree.map(lambda a: a[i], tree)
-                x, layer_cache = layer(x, at(stacked), at(cache))
-                caches.append(layer_cache)
-            cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches)
-        return self.norm(x), cache
+                x, layer_new = layer(x, jax.tree.map(lambda a: a[i], stacked), i)
+                news.append(layer_new)
+            new = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *news)
+        return self.norm(x), new
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Projects hidden states [..., D] onto the vocabulary: fp32 logits [..., V]."""

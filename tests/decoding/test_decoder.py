@@ -374,12 +374,13 @@ def test_each_piece_lowers_and_compiles_alone(mid, cache_mode):
     prefill = Decoder.prefill.lower(dec, *args).compile()
     state = dec.prefill(*args)
     step = Decoder.step.lower(dec, params, state).compile()
-    # One forward: each branch's layer scan is the program's only loop (no decode loop).
-    assert step.as_text().count(" while(") == len(dec.branches) == 2
+    # One forward: each branch's layer scan and, inside it, its attention's loop over cache
+    # chunks are the program's only loops (no decode loop).
+    assert step.as_text().count(" while(") == 2 * len(dec.branches) == 4
     assert prefill.as_text().count(" while(") == 1  # the prompt's forward scans the layers
     for name in dec.branches:
         assert (
-            Decoder.branch.lower(dec, params, state, name).compile().as_text().count(" while(") == 1
+            Decoder.branch.lower(dec, params, state, name).compile().as_text().count(" while(") == 2
         )
     other = "fill" if cache_mode == "sliding" else "narrow"
     with pytest.raises(ValueError, match=f"branch '{other}'"):
