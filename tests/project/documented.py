@@ -371,6 +371,14 @@ REGISTRY = [
         ),
     ),
     (
+        "decode_width",
+        r"PYTHONPATH=\. python benchmarks/decode_width\.py( .*)?",
+        Covered(
+            "tests/project/test_benchmark_commands.py::test_decode_width",
+            "the tiny shape, batches 1 and 3, a fitting and a wider buffer, B = 1 and 2",
+        ),
+    ),
+    (
         "roofline_published",
         r"PYTHONPATH=\. python benchmarks/roofline\.py --markdown "
         r"--cpu_gflops=\S+ --cpu_gbps=\S+",

@@ -379,6 +379,35 @@ def test_decode_speed(soak, tmp_path):
 # -- benchmarks/train_call_memory.py ---------------------------------------------------------
 
 
+def test_decode_width():
+    """The tiny shape at two batch sizes, a fitting and a wider prompt buffer, AR and B = 2:
+    one table row per (batch, width), slots as the decoder sizes them, x fit = 1 on the fit."""
+    for block_size in (1, 2):
+        out = run(
+            "benchmarks/decode_width.py",
+            "--shape=tiny",
+            "--batch_sizes=1,3",
+            "--live=48",
+            "--widths=fit,200",
+            f"--block_size={block_size}",
+            "--steps=2",
+            "--repeats=1",
+        )
+        header, body = header_and_body(out, "| batch |")
+        assert header == ["batch", "width", "slots", "step ms", "x fit"]
+        assert [(r[0], r[1]) for r in body] == [
+            ("1", "48"),
+            ("1", "200"),
+            ("3", "48"),
+            ("3", "200"),
+        ]
+        window = 2 * block_size - 1
+        for r in body:
+            assert num(r[2]) == num(r[1]) + 2 * block_size + 2 * window  # prompt, budget, windows
+            assert num(r[3]) > 0
+        assert [num(r[4]) for r in body[::2]] == [1.0, 1.0]
+
+
 def test_train_call_memory():
     """Two calls (the fewest with a growth figure) of one step each."""
     out = run("benchmarks/train_call_memory.py", "--calls=2", "--steps=1")
