@@ -21,7 +21,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # No persistent compilation cache. It saved about 13% of two heavy files' time (262 s against 227 s
 # with two workers), but a worker crashed inside jax's cache write (a segmentation fault in
 # compilation_cache.put_executable_and_time, decode.generate under tests/decoding/test_decode_speed.py,
-# at ~97% of the suite, in two full runs on 2026-12-06 and 2026-12-07), after which pytest-xdist
+# at ~97% of the suite, in CI's run of the previous submission and in a full run here on
+# 2026-12-07), after which pytest-xdist
 # waited forever and CI ran out of time. The file alone passes with or without the cache.
 
 import pytest  # noqa: E402

@@ -85,7 +85,7 @@ def test_no_row_loop_on_one_v5e_chip():
 
 
 def test_rows_stay_local_on_v5e_2x2():
-    # Rows split over 4 chips: no loop over a device's rows, and no collective.
+    # Rows split over 4 chips: no loop over a device's rows, and no collective of the cache's size.
     rows = compile_rows("v5e:2x2")
     for r in by(rows, scheme="model"):
         assert r["devices"] == 4 and r["row_loops"] == 0, r
