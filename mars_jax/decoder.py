@@ -57,6 +57,28 @@ def _padded(write: Write, width: int) -> Write:
     return write._replace(new=jax.tree.map(pad, write.new))
 
 
+def _first_rows(s: DecodeState, rows: int) -> DecodeState:
+    """Rows 0..rows-1 of ``s``: every per-row field sliced, the cache kept whole (a forward over
+    those rows reads and writes its first ``rows`` rows: `attend_cache`, `write_new`)."""
+    fields = {
+        f.name: jax.tree.map(lambda a: a[:rows], getattr(s, f.name))
+        for f in dataclasses.fields(s)
+        if f.name not in ("cache", "forwards") and getattr(s, f.name) is not None
+    }
+    return s.replace(**fields)
+
+
+def _put_first_rows(s: DecodeState, part: DecodeState) -> DecodeState:
+    """``s`` with `_first_rows`' ``part`` written back over its first rows (in place where ``s``
+    is donated); the cache and the batch's ``forwards`` are ``part``'s."""
+    fields = {
+        f.name: jax.tree.map(lambda a, b: a.at[: b.shape[0]].set(b), getattr(s, f.name), new)
+        for f in dataclasses.fields(s)
+        if f.name not in ("cache", "forwards") and (new := getattr(part, f.name)) is not None
+    }
+    return s.replace(cache=part.cache, forwards=part.forwards, **fields)
+
+
 _static_self = functools.partial(jax.jit, static_argnums=0)
 
 
@@ -148,17 +170,27 @@ class Decoder:
         with self._on_mesh():
             return self._step(nnx.merge(self.graphdef, params), state)
 
-    @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
-    def steps(self, params, state: DecodeState, num_steps: int) -> DecodeState:
+    @functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
+    def steps(
+        self, params, state: DecodeState, num_steps: int, rows: int | None = None
+    ) -> DecodeState:
         """Up to ``num_steps`` forwards in one program (fewer once `finished`): a host loop's
-        unit of work. ``state`` is donated (its KV cache is updated in place)."""
+        unit of work. ``state`` is donated (its KV cache is updated in place).
+
+        ``rows`` (static; None: all R): only rows 0..rows-1 are decoded, the others carried
+        unchanged (the caller's promise: they are done, e.g. a server's free slots). The
+        forwards then compute ``rows`` rows, reading and writing those rows of the cache in
+        place, so a step costs what the live rows hold, not the number of slots."""
         with self._on_mesh():
             model = nnx.merge(self.graphdef, params)
-            return jax.lax.while_loop(
+            whole = state.tokens.shape[0]
+            part = state if rows is None or rows >= whole else _first_rows(state, rows)
+            part = jax.lax.while_loop(
                 lambda c: (c[0] < num_steps) & ~self.finished(c[1]),
                 lambda c: (c[0] + 1, self._step(model, c[1])),
-                (jnp.int32(0), state),
+                (jnp.int32(0), part),
             )[1]
+            return part if part.tokens.shape[0] == whole else _put_first_rows(state, part)
 
     @functools.partial(jax.jit, static_argnums=(0, 3))
     def branch(self, params, state: DecodeState, name: str) -> DecodeState:

@@ -17,8 +17,10 @@ arrays, and never imports jax:
   compiles them all), and no 256-token forward for a 40-token prompt.
 - ``insert``: `Decoder.insert` writes the group's rows into their slots of the batch state (KV
   cache rows, tokens, cursors and settings) in one update, the batch state donated.
-- ``steps``: `Decoder.steps`, a few forwards of every slot per device call. A slot that is empty,
-  finished or still prefilling is carried unchanged.
+- ``steps``: `Decoder.steps`, a few forwards per device call of the slots up to the highest
+  busy one (rounded up to a power of two: a few compiled shapes); requests take the lowest free
+  slots, so one user's steps compute one row, not ``slots``. A slot that is empty, finished or
+  still prefilling is carried unchanged.
 - ``free``: `Decoder.free` marks the rows of finished or cancelled requests done.
 
 `Engine.run_once` is one turn of the host loop: reserve free slots for waiting requests (one
@@ -56,6 +58,7 @@ from mars_jax.decode_state import DecoderSettings, DecodeState, RowSettings
 from mars_jax.decoder import Decoder
 from mars_jax.errors import InputError
 from mars_jax.model import CausalLM
+from mars_jax.sharding import axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +265,11 @@ class Engine:
         self.refill = refill
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self._read_width = steps_per_call * block_size  # the most tokens a row gets per turn
+        # Rows a device call decodes come in multiples of the devices the rows are split over.
+        self._row_multiple = 1
+        if mesh is not None:
+            batch_axes = dict(axis_rules).get("batch") if axis_rules is not None else None
+            self._row_multiple = slots if axis_rules is None else axis_size(mesh, batch_axes)
         self.state = self._empty()
         self._streams: list[Stream | None] = [None] * slots  # decoding
         self._prefills: list[_Prefill] = []  # groups of requests being prefilled
@@ -468,10 +476,17 @@ class Engine:
                 )
             nowhere = np.full((rows,), self.slots, np.int32)
             self.state = self.decoder.insert(self.state, group, nowhere)
-        self.state = self.decoder.steps(self.params, self.state, self.steps_per_call)
+        for rows in {self._step_rows(n) for n in range(1, self.slots + 1)}:
+            self.state = self.decoder.steps(self.params, self.state, self.steps_per_call, rows)
         self.decoder.read_new_tokens(self.state, self._sent, self._read_width)
         self.state = self.decoder.free(self.state, np.zeros((self.slots,), bool))
         return len(row_sizes) * len(sizes)
+
+    def _step_rows(self, top: int) -> int | None:
+        """The rows a device call decodes when slots 0..top-1 hold the busy ones: the least
+        power of two >= top (and a multiple of the row devices); None: all slots."""
+        rows = bucket(max(top, self._row_multiple), self.slots)
+        return None if rows >= self.slots or rows % self._row_multiple else rows
 
     def run_once(self) -> bool:
         """One turn: admit, one prefill chunk per new request, decode ``steps_per_call``
@@ -481,7 +496,9 @@ class Engine:
         self._prefill_chunks()
         if self.active == 0:
             return bool(self._waiting or self._prefills)
-        self.state = self.decoder.steps(self.params, self.state, self.steps_per_call)
+        top = 1 + max(slot for slot, s in enumerate(self._streams) if s is not None)
+        rows = self._step_rows(top)
+        self.state = self.decoder.steps(self.params, self.state, self.steps_per_call, rows)
         new = self.decoder.read_new_tokens(self.state, self._sent, self._read_width)
         self.forwards += int(new.forwards)
         free = np.zeros((self.slots,), bool)

@@ -6,6 +6,8 @@ piece lowers and compiles alone, per-row settings (`RowSettings`) travel in the 
 engine verbs (insert, free, new_tokens) do what a host loop leaves to them. The rules alone:
 test_acceptance.py; the host API: test_decode.py."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -402,6 +404,64 @@ def test_branch_is_the_forward_that_step_takes(mid):
     for a, b in zip(plain(stepped), plain(narrow)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(narrow.forwards) == 1
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"block_size": 4, "cache_mode": "sliding", "rule": "prob"},
+        {"block_size": 4, "cache_mode": "sliding", "rule": "verify"},
+        {"block_size": 1, "cache_mode": "sliding", "rule": "prob"},
+        {"block_size": 4, "cache_mode": "block", "rule": "prob"},
+    ],
+    ids=["sliding", "verify", "ar", "block"],
+)
+def test_steps_over_the_first_rows_equal_steps_over_all(fields, mid):
+    """`Decoder.steps` with ``rows``: rows 0..rows-1 decoded, the rest carried. Its state after
+    a few calls equals, field for field and in those rows' KV cache, the state that `steps` over
+    every row reaches from the same start (ids exactly, floats to rounding: XLA's products sum
+    differently at another number of rows), where the rows past ``rows`` are done (a server's
+    free slots), with per-row thresholds, sampling and logprobs."""
+    ids, lengths, _ = make_batch([5, 8, 4, 7], width=10, seed=3)
+    graphdef, params = nnx.split(mid)
+    settings = qwen_settings(sampling=True, **fields)
+    if fields["cache_mode"] == "sliding":
+        settings = dataclasses.replace(settings, logprobs=2)
+    dec = Decoder(graphdef, settings)
+    row_settings = RowSettings.build(
+        4,
+        threshold=[0.9, 0.6, 1.0, 0.7],
+        max_accept=fields["block_size"],
+        max_new_tokens=MAX_NEW,
+        temperature=[0.0, 0.8, 0.0, 0.5] if fields["rule"] != "verify" else 0.0,
+        seed=[5, 2, 9, 4],
+        want_logprobs=settings.logprobs is not None,
+    )
+
+    def start():
+        state = dec.prefill(params, ids, lengths, row_settings)
+        return dec.free(state, np.asarray([False, False, True, True]))
+
+    keys = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    plain = lambda s: [np.asarray(a) for a in jax.tree.leaves(jax.tree.map(keys, s))]
+    whole, first, fresh = start(), start(), plain(start())
+    for _ in range(3):
+        whole, first = dec.steps(params, whole, 2), dec.steps(params, first, 2, 2)
+    assert int(first.new_tokens[0]) > 0 and int(first.new_tokens[1]) > 0
+    assert int(first.forwards) == int(whole.forwards) > 0
+    # Rows 0-1 as `steps` over every row leaves them (the cache's rows on axis 1); rows 2-3 as
+    # they were (`steps` over every row writes a done row's window and log-probabilities too:
+    # stale entries, rewritten when a request takes the row).
+    for a, b, c in zip(plain(whole), plain(first), fresh, strict=True):
+        if a.ndim == 0:
+            continue
+        rows = (slice(None), slice(None, 2)) if a.ndim == 5 else (slice(None, 2),)
+        rest = (slice(None), slice(2, None)) if a.ndim == 5 else (slice(2, None),)
+        if np.issubdtype(a.dtype, np.floating):  # a product's sums depend on its rows
+            np.testing.assert_allclose(a[rows], b[rows], rtol=1e-4, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(a[rows], b[rows])
+        np.testing.assert_array_equal(b[rest], c[rest])
 
 
 def test_engine_api_insert_free_and_new_tokens(mid):

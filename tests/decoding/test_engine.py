@@ -369,9 +369,9 @@ class FaultyDecoder:
     def __getattr__(self, name):
         return getattr(self.decoder, name)
 
-    def steps(self, params, state, num_steps):
+    def steps(self, params, state, num_steps, rows=None):
         self.calls += 1
-        out = self.decoder.steps(params, state, num_steps)
+        out = self.decoder.steps(params, state, num_steps, rows)
         if self.broken.is_set():
             raise RuntimeError("INTERNAL: injected device fault")
         return out
