@@ -852,9 +852,9 @@ from mars_jax import decoder, serve
 
 real = decoder.Decoder.steps
 
-def broken(self, params, state, num_steps):
+def broken(self, params, state, num_steps, rows=None):
     if np.asarray(state.done).all():  # the start-up warm-up (no row decoding): let it compile
-        return real(self, params, state, num_steps)
+        return real(self, params, state, num_steps, rows)
     raise RuntimeError("INTERNAL: injected device fault")
 
 decoder.Decoder.steps = broken
