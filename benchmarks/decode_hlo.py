@@ -677,6 +677,8 @@ DECODERS = {
     # The serving engine's unit of work: `Decoder.steps` (4 forwards, its state donated) of the
     # sliding decoder, on one device.
     "steps": ("sliding", "prob"),
+    # The same over its first rows only (one user of a many-slot server: `steps`' ``rows``).
+    "steps_first_rows": ("sliding", "prob"),
 }
 
 
@@ -732,10 +734,11 @@ def compile_decoders(
             arg((rows,), jnp.int32),
             jax.tree.map(lambda a: arg(a.shape, a.dtype), row_settings),
         )
-        if name == "steps":
+        if name.startswith("steps"):
             decoder = Decoder(graphdef, settings)
             state = jax.eval_shape(lambda *a: decoder.prefill(*a), *inputs)
-            compiled = Decoder.steps.lower(decoder, params, state, 4).compile()
+            first = max(rows // 2, 1) if name == "steps_first_rows" else None
+            compiled = Decoder.steps.lower(decoder, params, state, 4, first).compile()
         else:
             compiled = decode._generate.lower(
                 *inputs, graphdef=graphdef, settings=settings

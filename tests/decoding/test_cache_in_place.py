@@ -22,7 +22,15 @@ SHAPE = (2, ROWS, 57, 2, 16)  # [L, R, S, K, H] of the toy programs
 
 @pytest.mark.parametrize(
     "name, block_size",
-    [("ar", 1), ("sliding", 4), ("verify", 4), ("block", 4), ("block", 1), ("steps", 4)],
+    [
+        ("ar", 1),
+        ("sliding", 4),
+        ("verify", 4),
+        ("block", 4),
+        ("block", 1),
+        ("steps", 4),
+        ("steps_first_rows", 4),
+    ],
 )
 def test_decode_programs_write_the_cache_in_place(name, block_size):
     cfg = ModelConfig(**tiny.get_config("mars").model)
