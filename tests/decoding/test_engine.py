@@ -51,14 +51,17 @@ def eng(model):
 
 
 def alone(model, request: engine.Request) -> list[int]:
-    """The oracle: `decode.generate` of the request's prompt alone (padded to a fixed width:
-    one compile per setting, and no effect on the tokens)."""
-    out = alone_output(model, request)
-    return out.tokens[0, : out.lengths[0]].tolist()
+    """The oracle: `decode.generate` of the request's prompt alone (padded to a fixed width),
+    run to the engine's whole budget MAX_NEW and cut at the request's: a budget only stops a
+    row, it never changes the tokens before it (each is accepted left to right, and a draw is
+    keyed by its position), so one compile per setting serves every budget."""
+    out = alone_output(model, request, max_new_tokens=MAX_NEW)
+    return out.tokens[0, : out.lengths[0]].tolist()[: request.max_tokens]
 
 
-def alone_output(model, request: engine.Request) -> decode.DecodeOutput:
-    """`alone`'s whole `decode.DecodeOutput` (its row_forwards too)."""
+def alone_output(model, request: engine.Request, max_new_tokens=None) -> decode.DecodeOutput:
+    """`decode.generate` of the request alone, to ``max_new_tokens`` (None: the request's
+    own budget), as a whole `decode.DecodeOutput` (its row_forwards too)."""
     n = len(request.prompt_ids)
     ids = np.zeros((1, max(n, WIDTH)), np.int32)
     ids[0, :n] = request.prompt_ids
@@ -68,7 +71,7 @@ def alone_output(model, request: engine.Request) -> decode.DecodeOutput:
         np.asarray([n], np.int32),
         block_size=B,
         threshold=request.threshold,
-        max_new_tokens=request.max_tokens,
+        max_new_tokens=max_new_tokens or request.max_tokens,
         temperature=request.temperature,
         seed=request.seed,
         top_p=request.top_p,
@@ -120,8 +123,7 @@ def test_staggered_requests_decode_as_alone(model, eng):
         pass
     for request, stream in zip(reqs, streams):
         tokens, last = stream.result(timeout=1)
-        out = alone_output(model, request)
-        assert tokens == out.tokens[0, : out.lengths[0]].tolist(), request
+        assert tokens == alone(model, request), request
         assert last.done and last.completion_tokens == len(tokens)
         # The answer's forwards, up to its last token: a row stops at its own budget inside a
         # 3-forward device call, and an EOS accepted in a later forward than the last token

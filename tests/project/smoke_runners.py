@@ -337,7 +337,9 @@ def run_serve_load(commands, request, tmp_path):
     for i, command in enumerate(commands):
         out = tmp_path / f"out{i}"
         extra = ["--requests=4", "--rate=20", "--max_seconds=30", "--min_tokens=2"]
-        extra += ["--max_tokens=4", "--slots=2", f"--output_dir={out}"]
+        # One prefill width (16; the engine's warmup compiles every width up to the chunk, 7
+        # of them at the default 128, for each mode).
+        extra += ["--max_tokens=4", "--slots=2", "--prefill_chunk=16", f"--output_dir={out}"]
         run_command(command, extra, subs=resolve_subs(command, request))
         rows = [json.loads(line) for line in (out / "serve_load.jsonl").read_text().splitlines()]
         modes = re.search(r"--modes=(\S+)", command.text)
